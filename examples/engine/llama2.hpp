@@ -1,0 +1,1038 @@
+// Float inference engine for llama2.c legacy checkpoints, with a compressible per-layer KV cache.
+//
+// Contents: Config, Model (validated checkpoint loader), Tokenizer (tok*.bin loader, decode, greedy
+// BPE encode), Session (KV cache + RoPE position, forward, prefill recording the window queries,
+// compress hook), full_compressor(), sampling helpers (argmax, softmax, log_softmax, seeded
+// temperature sampling) and generate().
+//
+// Numerics follow the llama2.c reference: RMSNorm eps 1e-5, RoPE on interleaved pairs
+// (x[2i], x[2i+1]) with frequency 10000^(-2i/head_size), grouped-query attention (query head h reads
+// KV head h / (n_heads / n_kv_heads)), SwiGLU FFN w2(silu(w1 x) * w3 x), classifier shared with the
+// token embedding when vocab_size > 0 in the header.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace kvc::engine {
+
+// ---------------------------------------------------------------------------------------------
+// Small file helpers shared by the loaders
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+
+inline std::runtime_error file_error(const std::string& path, const std::string& what) {
+  return std::runtime_error("kvc::engine: '" + path + "': " + what);
+}
+
+inline bool host_is_little_endian() {
+  const std::uint32_t one = 1;
+  unsigned char first = 0;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+inline std::uint32_t load_le_u32(const unsigned char* p) {
+  return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
+         (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24);
+}
+
+inline std::int32_t load_le_i32(const unsigned char* p) {
+  const std::uint32_t u = load_le_u32(p);
+  std::int32_t v = 0;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+inline float load_le_f32(const unsigned char* p) {
+  const std::uint32_t u = load_le_u32(p);
+  float v = 0;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+/// Size of a regular file in bytes; throws naming the file when it is missing or not a file.
+inline std::uint64_t regular_file_size(const std::string& path, const char* kind) {
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  if (!std::filesystem::exists(p, ec)) throw file_error(path, std::string(kind) + " file does not exist");
+  if (!std::filesystem::is_regular_file(p, ec)) {
+    throw file_error(path, std::string(kind) + " path is not a regular file");
+  }
+  const std::uintmax_t size = std::filesystem::file_size(p, ec);
+  if (ec) throw file_error(path, std::string("cannot query the size of the ") + kind + " file: " + ec.message());
+  return static_cast<std::uint64_t>(size);
+}
+
+/// Reads exactly `n` bytes or throws naming the file.
+inline void read_exact(std::ifstream& in, char* dst, std::uint64_t n, const std::string& path, const char* what) {
+  in.read(dst, static_cast<std::streamsize>(n));
+  if (!in || static_cast<std::uint64_t>(in.gcount()) != n) {
+    throw file_error(path, std::string("read error while reading ") + what);
+  }
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Config and Model
+// ---------------------------------------------------------------------------------------------
+
+/// The seven-int32 header of a llama2.c legacy checkpoint (vocab_size stored as its absolute value).
+struct Config {
+  int dim = 0;
+  int hidden_dim = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int vocab_size = 0;
+  int seq_len = 0;
+  bool shared_classifier = true;  ///< header vocab_size > 0: the classifier is the token embedding
+
+  int head_size() const { return dim / n_heads; }
+  int kv_dim() const { return head_size() * n_kv_heads; }
+  int group() const { return n_heads / n_kv_heads; }  ///< G = Hq / Hkv
+};
+
+/// Upper bounds accepted in a checkpoint header (anything larger is treated as a corrupt header).
+struct ConfigLimits {
+  static constexpr int kMaxDim = 1 << 16;
+  static constexpr int kMaxHiddenDim = 1 << 20;
+  static constexpr int kMaxLayers = 1 << 12;
+  static constexpr int kMaxHeads = 1 << 12;
+  static constexpr int kMaxVocab = 1 << 22;
+  static constexpr int kMaxSeqLen = 1 << 22;
+};
+
+/// Frequency of RoPE pair i (dimensions 2i, 2i+1) for a head of `head_size`: 10000^(-2i/head_size).
+inline double rope_frequency(int pair, int head_size) {
+  return std::pow(10000.0, -2.0 * static_cast<double>(pair) / static_cast<double>(head_size));
+}
+
+/// Rotates each of `n_heads` vectors of `head_size` floats (contiguous) in place by RoPE at `position`,
+/// interleaved pairs: (x0, x1) <- (x0 cos a - x1 sin a, x0 sin a + x1 cos a), a = position * freq_i.
+/// Angles are computed in double. O(n_heads * head_size).
+inline void rope_rotate(float* v, int n_heads, int head_size, std::ptrdiff_t position) {
+  for (int i = 0; i < head_size / 2; ++i) {
+    const double angle = static_cast<double>(position) * rope_frequency(i, head_size);
+    const float c = static_cast<float>(std::cos(angle));
+    const float s = static_cast<float>(std::sin(angle));
+    for (int h = 0; h < n_heads; ++h) {
+      float* x = v + static_cast<std::ptrdiff_t>(h) * head_size + 2 * i;
+      const float x0 = x[0];
+      const float x1 = x[1];
+      x[0] = x0 * c - x1 * s;
+      x[1] = x0 * s + x1 * c;
+    }
+  }
+}
+
+/// Weights of one transformer block (row-major [out][in] matrices, pointers into Model storage).
+struct LayerWeights {
+  const float* rms_att;  // (dim)
+  const float* wq;       // (dim, dim)
+  const float* wk;       // (kv_dim, dim)
+  const float* wv;       // (kv_dim, dim)
+  const float* wo;       // (dim, dim)
+  const float* rms_ffn;  // (dim)
+  const float* w1;       // (hidden, dim)
+  const float* w2;       // (dim, hidden)
+  const float* w3;       // (hidden, dim)
+};
+
+/// Weights and config of a llama2.c legacy checkpoint. Movable, not copyable (LayerWeights point into it).
+class Model {
+ public:
+  /// Loads and validates `path`. Throws std::runtime_error naming the file and the problem when the
+  /// file is missing or unreadable, a header value is invalid, the size is not exactly what the header
+  /// implies (truncated or trailing bytes), a tensor holds NaN/Inf, or the freq_cis tables disagree
+  /// with RoPE base 10000.
+  static Model load(const std::string& path) {
+    Model model;
+    model.path_ = path;
+    if (!detail::host_is_little_endian()) {
+      throw detail::file_error(path, "checkpoints are little-endian; big-endian hosts are not supported");
+    }
+    const std::uint64_t file_size = detail::regular_file_size(path, "checkpoint");
+    constexpr std::uint64_t kHeaderBytes = 7 * 4;
+    if (file_size < kHeaderBytes) {
+      throw detail::file_error(path, "checkpoint is " + std::to_string(file_size) +
+                                         " bytes, too short for the 28-byte header (truncated?)");
+    }
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw detail::file_error(path, "cannot open the checkpoint for reading");
+    unsigned char header[kHeaderBytes];
+    detail::read_exact(in, reinterpret_cast<char*>(header), kHeaderBytes, path, "the header");
+    std::int32_t h[7];
+    for (int i = 0; i < 7; ++i) h[i] = detail::load_le_i32(header + 4 * i);
+    model.config_ = validate_header(path, h);
+    const Config& c = model.config_;
+
+    // Tensor table in file order: (name, element count).
+    const std::uint64_t L = static_cast<std::uint64_t>(c.n_layers);
+    const std::uint64_t dim = static_cast<std::uint64_t>(c.dim);
+    const std::uint64_t kv = static_cast<std::uint64_t>(c.kv_dim());
+    const std::uint64_t hid = static_cast<std::uint64_t>(c.hidden_dim);
+    const std::uint64_t voc = static_cast<std::uint64_t>(c.vocab_size);
+    const std::uint64_t half = static_cast<std::uint64_t>(c.seq_len) * static_cast<std::uint64_t>(c.head_size() / 2);
+    std::vector<std::pair<const char*, std::uint64_t>> tensors = {
+        {"token_embedding", voc * dim}, {"rms_att", L * dim},       {"wq", L * dim * dim},
+        {"wk", L * kv * dim},           {"wv", L * kv * dim},       {"wo", L * dim * dim},
+        {"rms_ffn", L * dim},           {"w1", L * hid * dim},      {"w2", L * dim * hid},
+        {"w3", L * hid * dim},          {"rms_final", dim},         {"freq_cis_real", half},
+        {"freq_cis_imag", half}};
+    if (!c.shared_classifier) tensors.push_back({"wclassifier", voc * dim});
+    std::uint64_t total = 0;
+    for (const auto& t : tensors) total += t.second;
+    const std::uint64_t expected = kHeaderBytes + 4 * total;
+    const std::string cfg = describe(c);
+    if (file_size < expected) {
+      throw detail::file_error(path, "checkpoint is truncated: the header (" + cfg + ") implies " +
+                                         std::to_string(expected) + " bytes, the file has " +
+                                         std::to_string(file_size));
+    }
+    if (file_size > expected) {
+      throw detail::file_error(path, "checkpoint is too long: the header (" + cfg + ") implies " +
+                                         std::to_string(expected) + " bytes, the file has " +
+                                         std::to_string(file_size) + " (" +
+                                         std::to_string(file_size - expected) +
+                                         " trailing bytes; wrong header or not a llama2.c legacy checkpoint)");
+    }
+    model.data_.resize(static_cast<std::size_t>(total));
+    detail::read_exact(in, reinterpret_cast<char*>(model.data_.data()), 4 * total, path, "the tensors");
+
+    // Offsets and a finiteness check per tensor.
+    std::vector<std::uint64_t> offset(tensors.size());
+    std::uint64_t at = 0;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      offset[i] = at;
+      for (std::uint64_t e = 0; e < tensors[i].second; ++e) {
+        if (!std::isfinite(model.data_[static_cast<std::size_t>(at + e)])) {
+          throw detail::file_error(path, std::string("tensor '") + tensors[i].first +
+                                             "' holds a non-finite value at element " + std::to_string(e));
+        }
+      }
+      at += tensors[i].second;
+    }
+    model.off_embedding_ = offset[0];
+    model.off_rms_att_ = offset[1];
+    model.off_wq_ = offset[2];
+    model.off_wk_ = offset[3];
+    model.off_wv_ = offset[4];
+    model.off_wo_ = offset[5];
+    model.off_rms_ffn_ = offset[6];
+    model.off_w1_ = offset[7];
+    model.off_w2_ = offset[8];
+    model.off_w3_ = offset[9];
+    model.off_rms_final_ = offset[10];
+    model.off_freq_real_ = offset[11];
+    model.off_freq_imag_ = offset[12];
+    model.off_classifier_ = c.shared_classifier ? offset[0] : offset[13];
+
+    // The file's RoPE tables must match what the forward pass computes (base 10000). The tables were
+    // written in float32, whose angle error grows with the position: allow for it.
+    model.rope_error_ = model.compute_rope_table_error();
+    const double tol = 1e-3 + 1e-6 * c.seq_len;
+    if (!(model.rope_error_ <= tol)) {
+      throw detail::file_error(path, "freq_cis tables differ from RoPE base 10000 by " +
+                                         std::to_string(model.rope_error_) + " (tolerance " +
+                                         std::to_string(tol) + "); unsupported RoPE variant or corrupt file");
+    }
+    return model;
+  }
+
+  Model(Model&&) noexcept = default;
+  Model& operator=(Model&&) noexcept = default;
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const Config& config() const { return config_; }
+  const std::string& path() const { return path_; }
+
+  const float* token_embedding() const { return ptr(off_embedding_); }  // (vocab, dim)
+  const float* rms_final() const { return ptr(off_rms_final_); }        // (dim)
+  const float* classifier() const { return ptr(off_classifier_); }      // (vocab, dim)
+  const float* freq_cis_real() const { return ptr(off_freq_real_); }    // (seq_len, head_size/2)
+  const float* freq_cis_imag() const { return ptr(off_freq_imag_); }    // (seq_len, head_size/2)
+
+  LayerWeights layer(int l) const {
+    const Config& c = config_;
+    const std::uint64_t L = static_cast<std::uint64_t>(l);
+    const std::uint64_t dim = static_cast<std::uint64_t>(c.dim);
+    const std::uint64_t kv = static_cast<std::uint64_t>(c.kv_dim());
+    const std::uint64_t hid = static_cast<std::uint64_t>(c.hidden_dim);
+    return LayerWeights{ptr(off_rms_att_ + L * dim),         ptr(off_wq_ + L * dim * dim),
+                        ptr(off_wk_ + L * kv * dim),         ptr(off_wv_ + L * kv * dim),
+                        ptr(off_wo_ + L * dim * dim),        ptr(off_rms_ffn_ + L * dim),
+                        ptr(off_w1_ + L * hid * dim),        ptr(off_w2_ + L * dim * hid),
+                        ptr(off_w3_ + L * hid * dim)};
+  }
+
+  /// Max |file table - cos/sin(pos * 10000^(-2i/head_size))| over the freq_cis tables.
+  double rope_table_max_error() const { return rope_error_; }
+
+  /// "dim=64 hidden_dim=172 ..." for messages.
+  static std::string describe(const Config& c) {
+    return "dim=" + std::to_string(c.dim) + " hidden_dim=" + std::to_string(c.hidden_dim) +
+           " n_layers=" + std::to_string(c.n_layers) + " n_heads=" + std::to_string(c.n_heads) +
+           " n_kv_heads=" + std::to_string(c.n_kv_heads) + " vocab_size=" +
+           std::to_string(c.shared_classifier ? c.vocab_size : -c.vocab_size) +
+           " seq_len=" + std::to_string(c.seq_len);
+  }
+
+ private:
+  Model() = default;
+
+  const float* ptr(std::uint64_t offset) const { return data_.data() + offset; }
+
+  static Config validate_header(const std::string& path, const std::int32_t* h) {
+    const char* names[7] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"};
+    const int limits[7] = {ConfigLimits::kMaxDim,   ConfigLimits::kMaxHiddenDim, ConfigLimits::kMaxLayers,
+                           ConfigLimits::kMaxHeads, ConfigLimits::kMaxHeads,     ConfigLimits::kMaxVocab,
+                           ConfigLimits::kMaxSeqLen};
+    auto bad = [&](const std::string& what) {
+      return detail::file_error(path, "invalid checkpoint header: " + what);
+    };
+    for (int i = 0; i < 7; ++i) {
+      const std::int64_t v = (i == 5) ? std::abs(static_cast<std::int64_t>(h[i])) : h[i];
+      if (v <= 0) {
+        throw bad(std::string(names[i]) + " = " + std::to_string(h[i]) +
+                  (i == 5 ? " (must be non-zero)" : " (must be positive)"));
+      }
+      if (v > limits[i]) {
+        throw bad(std::string(names[i]) + " = " + std::to_string(h[i]) + " exceeds the limit " +
+                  std::to_string(limits[i]));
+      }
+    }
+    Config c;
+    c.dim = h[0];
+    c.hidden_dim = h[1];
+    c.n_layers = h[2];
+    c.n_heads = h[3];
+    c.n_kv_heads = h[4];
+    c.shared_classifier = h[5] > 0;
+    c.vocab_size = h[5] > 0 ? h[5] : -h[5];
+    c.seq_len = h[6];
+    if (c.dim % c.n_heads != 0) {
+      throw bad("dim = " + std::to_string(c.dim) + " is not divisible by n_heads = " + std::to_string(c.n_heads));
+    }
+    if (c.n_kv_heads > c.n_heads || c.n_heads % c.n_kv_heads != 0) {
+      throw bad("n_heads = " + std::to_string(c.n_heads) + " is not a multiple of n_kv_heads = " +
+                std::to_string(c.n_kv_heads));
+    }
+    if (c.head_size() % 2 != 0) {
+      throw bad("head size dim / n_heads = " + std::to_string(c.head_size()) + " is odd (RoPE needs pairs)");
+    }
+    return c;
+  }
+
+  double compute_rope_table_error() const {
+    const int hs = config_.head_size();
+    const int half = hs / 2;
+    double err = 0;
+    for (int p = 0; p < config_.seq_len; ++p) {
+      for (int i = 0; i < half; ++i) {
+        const double a = static_cast<double>(p) * rope_frequency(i, hs);
+        const std::size_t k = static_cast<std::size_t>(p) * static_cast<std::size_t>(half) + static_cast<std::size_t>(i);
+        err = std::max(err, std::abs(static_cast<double>(freq_cis_real()[k]) - std::cos(a)));
+        err = std::max(err, std::abs(static_cast<double>(freq_cis_imag()[k]) - std::sin(a)));
+      }
+    }
+    return err;
+  }
+
+  Config config_;
+  std::string path_;
+  std::vector<float> data_;
+  std::uint64_t off_embedding_ = 0, off_rms_att_ = 0, off_wq_ = 0, off_wk_ = 0, off_wv_ = 0, off_wo_ = 0,
+                off_rms_ffn_ = 0, off_w1_ = 0, off_w2_ = 0, off_w3_ = 0, off_rms_final_ = 0,
+                off_freq_real_ = 0, off_freq_imag_ = 0, off_classifier_ = 0;
+  double rope_error_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tokenizer
+// ---------------------------------------------------------------------------------------------
+
+/// llama2.c tokenizer: int32 max_token_length, then per token float32 score, int32 length, bytes.
+class Tokenizer {
+ public:
+  static constexpr int kBos = 1;
+  static constexpr int kEos = 2;
+
+  /// Loads `path` holding exactly `vocab_size` entries. Throws std::runtime_error naming the file and
+  /// the problem (missing, truncated, bad lengths, non-finite scores, trailing bytes).
+  static Tokenizer load(const std::string& path, int vocab_size) {
+    if (vocab_size < 3 || vocab_size > ConfigLimits::kMaxVocab) {
+      throw detail::file_error(path, "tokenizer vocab_size " + std::to_string(vocab_size) +
+                                         " out of range [3, " + std::to_string(ConfigLimits::kMaxVocab) + "]");
+    }
+    const std::uint64_t size = detail::regular_file_size(path, "tokenizer");
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw detail::file_error(path, "cannot open the tokenizer for reading");
+    std::vector<unsigned char> bytes(static_cast<std::size_t>(size));
+    if (size > 0) detail::read_exact(in, reinterpret_cast<char*>(bytes.data()), size, path, "the tokenizer");
+
+    Tokenizer tok;
+    std::size_t at = 0;
+    auto need = [&](std::size_t n, const std::string& what) {
+      if (bytes.size() - at < n) {
+        throw detail::file_error(path, "tokenizer is truncated at byte " + std::to_string(at) + " while reading " + what);
+      }
+    };
+    need(4, "max_token_length");
+    const std::int32_t max_len = detail::load_le_i32(bytes.data());
+    at += 4;
+    if (max_len <= 0 || max_len > (1 << 20)) {
+      throw detail::file_error(path, "tokenizer max_token_length = " + std::to_string(max_len) + " is invalid");
+    }
+    tok.max_token_length_ = max_len;
+    tok.pieces_.resize(static_cast<std::size_t>(vocab_size));
+    tok.scores_.resize(static_cast<std::size_t>(vocab_size));
+    for (int id = 0; id < vocab_size; ++id) {
+      const std::string which = "token " + std::to_string(id);
+      need(8, which + " score and length");
+      const float score = detail::load_le_f32(bytes.data() + at);
+      const std::int32_t len = detail::load_le_i32(bytes.data() + at + 4);
+      at += 8;
+      if (!std::isfinite(score)) throw detail::file_error(path, "tokenizer " + which + " has a non-finite score");
+      if (len < 0 || len > max_len) {
+        throw detail::file_error(path, "tokenizer " + which + " has length " + std::to_string(len) +
+                                           " outside [0, max_token_length = " + std::to_string(max_len) + "]");
+      }
+      need(static_cast<std::size_t>(len), which + " bytes");
+      tok.pieces_[static_cast<std::size_t>(id)].assign(reinterpret_cast<const char*>(bytes.data() + at),
+                                                       static_cast<std::size_t>(len));
+      tok.scores_[static_cast<std::size_t>(id)] = score;
+      at += static_cast<std::size_t>(len);
+    }
+    if (at != bytes.size()) {
+      throw detail::file_error(path, "tokenizer has " + std::to_string(bytes.size() - at) +
+                                         " trailing bytes after " + std::to_string(vocab_size) +
+                                         " tokens (vocab size mismatch?)");
+    }
+    tok.byte_ids_.fill(-1);
+    for (int id = 0; id < vocab_size; ++id) {
+      const std::string& p = tok.pieces_[static_cast<std::size_t>(id)];
+      tok.lookup_.emplace(p, id);  // first id wins for duplicate pieces
+      const int b = byte_of_piece(p);
+      if (b >= 0 && tok.byte_ids_[static_cast<std::size_t>(b)] < 0) tok.byte_ids_[static_cast<std::size_t>(b)] = id;
+    }
+    return tok;
+  }
+
+  int vocab_size() const { return static_cast<int>(pieces_.size()); }
+  int max_token_length() const { return max_token_length_; }
+  const std::string& piece(int id) const { return pieces_.at(checked(id)); }
+  float score(int id) const { return scores_.at(checked(id)); }
+
+  /// Text of `token` following `prev_token`: a byte-fallback piece `<0xNN>` becomes that byte, and a
+  /// leading space is dropped right after BOS (SentencePiece's dummy prefix). Throws std::out_of_range
+  /// for ids outside [0, vocab_size).
+  std::string decode(int prev_token, int token) const {
+    const std::string& p = pieces_[checked(token)];
+    const int b = byte_of_piece(p);
+    if (b >= 0) return std::string(1, static_cast<char>(static_cast<unsigned char>(b)));
+    if (prev_token == kBos && !p.empty() && p[0] == ' ') return p.substr(1);
+    return p;
+  }
+
+  /// Concatenated text of a token sequence: tokens[i] is decoded after tokens[i-1] (after BOS for
+  /// i = 0); BOS and EOS tokens themselves produce no text.
+  std::string decode(const std::vector<int>& tokens) const {
+    std::string out;
+    int prev = kBos;
+    for (const int t : tokens) {
+      if (t != kBos && t != kEos) out += decode(prev, t);
+      prev = t;
+    }
+    return out;
+  }
+
+  /// Greedy BPE: prepend a space (dummy prefix) to non-empty text, split into UTF-8 code points
+  /// (unknown ones fall back to `<0xNN>` byte pieces), then repeatedly merge the adjacent pair whose
+  /// concatenation is a vocabulary piece with the highest score (leftmost on ties). Optional BOS/EOS.
+  /// O(n^2) in the text length; meant for prompts.
+  std::vector<int> encode(const std::string& text, bool bos, bool eos = false) const {
+    std::vector<int> ids;
+    if (!text.empty()) {
+      const std::string s = " " + text;
+      std::size_t i = 0;
+      while (i < s.size()) {
+        std::size_t n = 1;
+        const unsigned char lead = static_cast<unsigned char>(s[i]);
+        if (lead >= 0xC0) {
+          while (n < 4 && i + n < s.size() && (static_cast<unsigned char>(s[i + n]) & 0xC0) == 0x80) ++n;
+        }
+        const std::string cp = s.substr(i, n);
+        const auto it = lookup_.find(cp);
+        if (it != lookup_.end()) {
+          ids.push_back(it->second);
+        } else {
+          for (const char ch : cp) {
+            const int id = byte_ids_[static_cast<unsigned char>(ch)];
+            if (id < 0) {
+              throw std::runtime_error("kvc::engine: tokenizer has no piece and no byte fallback for byte " +
+                                       std::to_string(static_cast<unsigned char>(ch)));
+            }
+            ids.push_back(id);
+          }
+        }
+        i += n;
+      }
+      while (ids.size() >= 2) {
+        float best = -std::numeric_limits<float>::infinity();
+        int best_id = -1;
+        std::size_t best_at = 0;
+        for (std::size_t k = 0; k + 1 < ids.size(); ++k) {
+          const auto it = lookup_.find(pieces_[static_cast<std::size_t>(ids[k])] +
+                                       pieces_[static_cast<std::size_t>(ids[k + 1])]);
+          if (it != lookup_.end() && (best_id < 0 || scores_[static_cast<std::size_t>(it->second)] > best)) {
+            best = scores_[static_cast<std::size_t>(it->second)];
+            best_id = it->second;
+            best_at = k;
+          }
+        }
+        if (best_id < 0) break;
+        ids[best_at] = best_id;
+        ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
+      }
+    }
+    if (bos) ids.insert(ids.begin(), kBos);
+    if (eos) ids.push_back(kEos);
+    return ids;
+  }
+
+  /// 0..255 when `p` is exactly a byte-fallback piece `<0xNN>` (hex, either case), else -1.
+  static int byte_of_piece(const std::string& p) {
+    if (p.size() != 6 || p[0] != '<' || p[1] != '0' || p[2] != 'x' || p[5] != '>') return -1;
+    auto hex = [](char ch) {
+      if (ch >= '0' && ch <= '9') return ch - '0';
+      if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
+      if (ch >= 'A' && ch <= 'F') return ch - 'A' + 10;
+      return -1;
+    };
+    const int hi = hex(p[3]);
+    const int lo = hex(p[4]);
+    return (hi < 0 || lo < 0) ? -1 : hi * 16 + lo;
+  }
+
+ private:
+  std::size_t checked(int id) const {
+    if (id < 0 || id >= vocab_size()) {
+      throw std::out_of_range("kvc::engine: token id " + std::to_string(id) + " outside [0, " +
+                              std::to_string(vocab_size()) + ")");
+    }
+    return static_cast<std::size_t>(id);
+  }
+
+  std::vector<std::string> pieces_;
+  std::vector<float> scores_;
+  std::unordered_map<std::string, int> lookup_;
+  std::array<int, 256> byte_ids_{};
+  int max_token_length_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Compression hook types
+// ---------------------------------------------------------------------------------------------
+
+/// One layer's cache handed to a compressor. keys/values: element (g, j, c) at
+/// `g * head_stride + j * d + c` for g < Hkv, j < n, c < d (post-RoPE keys as cached).
+/// queries: [Hq][W][d] contiguous, the post-RoPE queries of prefill positions n-W .. n-1 (SPEC §1 Qw).
+struct LayerInput {
+  int layer = 0;
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  const float* queries = nullptr;
+  std::ptrdiff_t n = 0, W = 0, Hkv = 0, Hq = 0, d = 0;
+  std::ptrdiff_t head_stride = 0;  ///< elements between heads in keys/values
+};
+
+/// A compressor's result for one layer. keys/values: [Hkv][m][d]; bias: [Hkv][m] additive logit bias
+/// (may be empty = all zeros; -inf is allowed to mask padding slots, NaN/+inf are not);
+/// next_position: RoPE position of the next decoded token (must agree across layers).
+struct CompressedLayer {
+  std::ptrdiff_t m = 0;
+  std::vector<float> keys, values;
+  std::vector<float> bias;
+  std::ptrdiff_t next_position = 0;
+};
+
+using LayerCompressor = std::function<CompressedLayer(const LayerInput&)>;
+
+/// Identity compressor: copies every entry, bias 0, next_position = n.
+inline LayerCompressor full_compressor() {
+  return [](const LayerInput& in) {
+    CompressedLayer out;
+    out.m = in.n;
+    out.next_position = in.n;
+    const std::size_t count = static_cast<std::size_t>(in.Hkv * in.n * in.d);
+    out.keys.resize(count);
+    out.values.resize(count);
+    out.bias.assign(static_cast<std::size_t>(in.Hkv * in.n), 0.0f);
+    for (std::ptrdiff_t g = 0; g < in.Hkv; ++g) {
+      const std::ptrdiff_t rows = in.n * in.d;
+      std::copy(in.keys + g * in.head_stride, in.keys + g * in.head_stride + rows, out.keys.begin() + g * rows);
+      std::copy(in.values + g * in.head_stride, in.values + g * in.head_stride + rows, out.values.begin() + g * rows);
+    }
+    return out;
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session: KV cache, RoPE position, forward, prefill, compress
+// ---------------------------------------------------------------------------------------------
+
+/// Inference state over one Model (which must outlive the session). Per layer: keys and values
+/// [Hkv][capacity][d], an additive logit bias [Hkv][capacity], a length len(layer) (same for all heads
+/// of the layer), and the window queries [Hq][W][d] recorded by the last prefill(). One RoPE position
+/// counter `position()` for the next token; after compression len(layer) may be smaller than it.
+class Session {
+ public:
+  using MatRM = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  /// capacity: cache slots per head (0 = the model's seq_len).
+  explicit Session(const Model& model, std::ptrdiff_t capacity = 0) : model_(&model) {
+    const Config& c = model.config();
+    capacity_ = capacity > 0 ? capacity : c.seq_len;
+    d_ = c.head_size();
+    layers_.resize(static_cast<std::size_t>(c.n_layers));
+    for (LayerState& s : layers_) {
+      s.keys.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_ * d_), 0.0f);
+      s.values.assign(s.keys.size(), 0.0f);
+      s.bias.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_), 0.0f);
+    }
+  }
+
+  const Model& model() const { return *model_; }
+  std::ptrdiff_t capacity() const { return capacity_; }
+  std::ptrdiff_t position() const { return pos_; }                 ///< RoPE position of the next token
+  std::ptrdiff_t length(int layer) const { return state(layer).len; }  ///< cache entries of `layer`
+  std::ptrdiff_t head_dim() const { return d_; }
+  std::ptrdiff_t head_stride() const { return capacity_ * d_; }  ///< elements between heads in keys/values
+  std::ptrdiff_t window() const { return window_; }              ///< rows of the recorded window queries
+  bool window_valid() const { return window_valid_; }            ///< queries describe the current cache tail
+
+  const float* keys(int layer) const { return state(layer).keys.data(); }      // [Hkv][capacity][d]
+  const float* values(int layer) const { return state(layer).values.data(); }  // [Hkv][capacity][d]
+  const float* bias(int layer) const { return state(layer).bias.data(); }      // [Hkv][capacity]
+  const float* queries(int layer) const { return state(layer).queries.data(); }  // [Hq][W][d]
+
+  /// Empties the cache, zeroes the biases and resets the position to 0.
+  void reset() {
+    for (LayerState& s : layers_) {
+      s.len = 0;
+      std::fill(s.bias.begin(), s.bias.end(), 0.0f);
+      s.queries.clear();
+    }
+    pos_ = 0;
+    window_ = 0;
+    window_valid_ = false;
+  }
+
+  /// Feeds one token at position(), appends its key/value at slot len(layer) of every layer with bias
+  /// 0, and returns the next-token logits (vocab). Throws std::out_of_range for a bad id and
+  /// std::runtime_error when the cache is full or position() reached seq_len; nothing changes then.
+  std::vector<float> forward(int token) {
+    std::vector<float> logits = run_block(&token, 1, /*window_row_of_first=*/-1, /*need_logits=*/true);
+    window_valid_ = false;
+    return logits;
+  }
+
+  /// Runs `tokens` (non-empty) and returns the logits after the last one. Records, for every layer,
+  /// the post-RoPE queries of the last W = min(window, tokens.size()) tokens as [Hq][W][d].
+  /// `batched` runs all tokens through each layer at once (GEMMs); otherwise token by token. The two
+  /// agree to float rounding. Requires an uncompressed session (len == position in every layer).
+  std::vector<float> prefill(const std::vector<int>& tokens, std::ptrdiff_t window, bool batched = true) {
+    if (tokens.empty()) throw std::invalid_argument("kvc::engine: prefill() needs at least one token");
+    if (window < 0) throw std::invalid_argument("kvc::engine: prefill() window must be >= 0, got " + std::to_string(window));
+    for (const LayerState& s : layers_) {
+      if (s.len != pos_) {
+        throw std::runtime_error("kvc::engine: prefill() on a compressed session (cache length " +
+                                 std::to_string(s.len) + " != position " + std::to_string(pos_) + ")");
+      }
+    }
+    check_room(static_cast<std::ptrdiff_t>(tokens.size()));
+    check_tokens(tokens.data(), static_cast<std::ptrdiff_t>(tokens.size()));
+    const std::ptrdiff_t T = static_cast<std::ptrdiff_t>(tokens.size());
+    const std::ptrdiff_t W = std::min(window, T);
+    const Config& c = model_->config();
+    for (LayerState& s : layers_) s.queries.assign(static_cast<std::size_t>(c.n_heads * W * d_), 0.0f);
+    window_ = W;
+    window_valid_ = false;
+    std::vector<float> logits;
+    if (batched) {
+      logits = run_block(tokens.data(), T, W - T, true);
+    } else {
+      for (std::ptrdiff_t t = 0; t < T; ++t) {
+        logits = run_block(tokens.data() + t, 1, W - T + t, t + 1 == T);
+      }
+    }
+    window_valid_ = true;
+    return logits;
+  }
+
+  /// The compressor's view of `layer` (requires window queries from a prefill() just before).
+  LayerInput layer_input(int layer) const {
+    const Config& c = model_->config();
+    const LayerState& s = state(layer);
+    LayerInput in;
+    in.layer = layer;
+    in.keys = s.keys.data();
+    in.values = s.values.data();
+    in.queries = s.queries.data();
+    in.n = s.len;
+    in.W = window_;
+    in.Hkv = c.n_kv_heads;
+    in.Hq = c.n_heads;
+    in.d = d_;
+    in.head_stride = head_stride();
+    return in;
+  }
+
+  /// Calls `fn` for every layer on the cache left by the last prefill(), validates all results
+  /// (sizes, m <= capacity, finite keys/values, bias not NaN/+inf, one next_position >= 0 for all
+  /// layers) and only then writes them: slots 0..m-1 of each layer get the compressed keys, values and
+  /// bias, len(layer) = m, position() = next_position. On any error the session is unchanged.
+  /// Decoded tokens afterwards go to slot len(layer) with bias 0 at RoPE position position().
+  void compress(const LayerCompressor& fn) {
+    if (!window_valid_) {
+      throw std::runtime_error("kvc::engine: compress() must directly follow prefill() (window queries are stale)");
+    }
+    const Config& c = model_->config();
+    std::vector<CompressedLayer> out(layers_.size());
+    for (int l = 0; l < c.n_layers; ++l) {
+      out[static_cast<std::size_t>(l)] = fn(layer_input(l));
+      const CompressedLayer& r = out[static_cast<std::size_t>(l)];
+      const std::string where = "kvc::engine: compressor output for layer " + std::to_string(l) + ": ";
+      if (r.m < 0 || r.m > capacity_) {
+        throw std::runtime_error(where + "m = " + std::to_string(r.m) + " outside [0, capacity = " + std::to_string(capacity_) + "]");
+      }
+      const std::size_t kv_size = static_cast<std::size_t>(c.n_kv_heads * r.m * d_);
+      if (r.keys.size() != kv_size || r.values.size() != kv_size) {
+        throw std::runtime_error(where + "keys/values have " + std::to_string(r.keys.size()) + "/" +
+                                 std::to_string(r.values.size()) + " elements, expected Hkv*m*d = " + std::to_string(kv_size));
+      }
+      if (!r.bias.empty() && r.bias.size() != static_cast<std::size_t>(c.n_kv_heads * r.m)) {
+        throw std::runtime_error(where + "bias has " + std::to_string(r.bias.size()) +
+                                 " elements, expected Hkv*m = " + std::to_string(c.n_kv_heads * r.m) + " (or none)");
+      }
+      for (std::size_t i = 0; i < kv_size; ++i) {
+        if (!std::isfinite(r.keys[i]) || !std::isfinite(r.values[i])) {
+          throw std::runtime_error(where + "non-finite key or value at element " + std::to_string(i));
+        }
+      }
+      for (std::size_t i = 0; i < r.bias.size(); ++i) {
+        if (std::isnan(r.bias[i]) || r.bias[i] == std::numeric_limits<float>::infinity()) {
+          throw std::runtime_error(where + "bias is NaN or +inf at element " + std::to_string(i));
+        }
+      }
+      if (r.next_position < 0) {
+        throw std::runtime_error(where + "next_position = " + std::to_string(r.next_position) + " is negative");
+      }
+      if (r.next_position != out[0].next_position) {
+        throw std::runtime_error(where + "next_position = " + std::to_string(r.next_position) +
+                                 " differs from layer 0's " + std::to_string(out[0].next_position));
+      }
+    }
+    for (int l = 0; l < c.n_layers; ++l) {
+      LayerState& s = layers_[static_cast<std::size_t>(l)];
+      const CompressedLayer& r = out[static_cast<std::size_t>(l)];
+      for (std::ptrdiff_t g = 0; g < c.n_kv_heads; ++g) {
+        const std::ptrdiff_t rows = r.m * d_;
+        std::copy(r.keys.begin() + g * rows, r.keys.begin() + (g + 1) * rows, s.keys.begin() + g * head_stride());
+        std::copy(r.values.begin() + g * rows, r.values.begin() + (g + 1) * rows, s.values.begin() + g * head_stride());
+        float* b = s.bias.data() + g * capacity_;
+        std::fill(b, b + capacity_, 0.0f);
+        if (!r.bias.empty()) std::copy(r.bias.begin() + g * r.m, r.bias.begin() + (g + 1) * r.m, b);
+      }
+      s.len = r.m;
+    }
+    pos_ = out.empty() ? pos_ : out[0].next_position;
+    window_valid_ = false;
+  }
+
+ private:
+  struct LayerState {
+    std::vector<float> keys, values, bias, queries;
+    std::ptrdiff_t len = 0;
+  };
+
+  const LayerState& state(int layer) const {
+    if (layer < 0 || layer >= static_cast<int>(layers_.size())) {
+      throw std::out_of_range("kvc::engine: layer " + std::to_string(layer) + " outside [0, " +
+                              std::to_string(layers_.size()) + ")");
+    }
+    return layers_[static_cast<std::size_t>(layer)];
+  }
+
+  void check_room(std::ptrdiff_t T) const {
+    const Config& c = model_->config();
+    if (pos_ + T > c.seq_len) {
+      throw std::runtime_error("kvc::engine: position " + std::to_string(pos_ + T - 1) +
+                               " would exceed the model's seq_len " + std::to_string(c.seq_len));
+    }
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      if (layers_[l].len + T > capacity_) {
+        throw std::runtime_error("kvc::engine: KV cache of layer " + std::to_string(l) + " is full (" +
+                                 std::to_string(layers_[l].len) + " + " + std::to_string(T) + " > capacity " +
+                                 std::to_string(capacity_) + ")");
+      }
+    }
+  }
+
+  void check_tokens(const int* tokens, std::ptrdiff_t T) const {
+    const int V = model_->config().vocab_size;
+    for (std::ptrdiff_t t = 0; t < T; ++t) {
+      if (tokens[t] < 0 || tokens[t] >= V) {
+        throw std::out_of_range("kvc::engine: token id " + std::to_string(tokens[t]) + " outside [0, " +
+                                std::to_string(V) + ")");
+      }
+    }
+  }
+
+  static void rmsnorm_rows(const MatRM& x, const float* w, MatRM& out) {
+    out.resize(x.rows(), x.cols());
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      double ss = 0;
+      for (Eigen::Index i = 0; i < x.cols(); ++i) ss += static_cast<double>(x(r, i)) * x(r, i);
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(x.cols()) + 1e-5));
+      for (Eigen::Index i = 0; i < x.cols(); ++i) out(r, i) = w[i] * (inv * x(r, i));
+    }
+  }
+
+  /// Y (T, out) = X (T, in) * W^T for a row-major W (out, in).
+  static void linear(const MatRM& x, const float* w, int out_dim, MatRM& y) {
+    const Eigen::Map<const MatRM> wm(w, out_dim, x.cols());
+    y.resize(x.rows(), out_dim);
+    y.noalias() = x * wm.transpose();
+  }
+
+  /// Runs T tokens at positions pos_.. through all layers. Row t's query is recorded at window row
+  /// window_row_of_first + t when that lies in [0, window_). Returns the last row's logits if asked.
+  std::vector<float> run_block(const int* tokens, std::ptrdiff_t T, std::ptrdiff_t window_row_of_first, bool need_logits) {
+    check_room(T);
+    check_tokens(tokens, T);
+    const Config& c = model_->config();
+    const int dim = c.dim;
+    const int Hq = c.n_heads;
+    const int Hkv = c.n_kv_heads;
+    const int G = c.group();
+    const std::ptrdiff_t d = d_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+    MatRM x(T, dim);
+    for (std::ptrdiff_t t = 0; t < T; ++t) {
+      const float* e = model_->token_embedding() + static_cast<std::ptrdiff_t>(tokens[t]) * dim;
+      std::copy(e, e + dim, x.row(t).data());
+    }
+    MatRM xb, q, k, v, att(T, dim), proj, h1, h3;
+    std::vector<float> scores(static_cast<std::size_t>(capacity_));
+    for (int l = 0; l < c.n_layers; ++l) {
+      const LayerWeights w = model_->layer(l);
+      LayerState& s = layers_[static_cast<std::size_t>(l)];
+      rmsnorm_rows(x, w.rms_att, xb);
+      linear(xb, w.wq, dim, q);
+      linear(xb, w.wk, c.kv_dim(), k);
+      linear(xb, w.wv, c.kv_dim(), v);
+      for (std::ptrdiff_t t = 0; t < T; ++t) {
+        rope_rotate(q.row(t).data(), Hq, static_cast<int>(d), pos_ + t);
+        rope_rotate(k.row(t).data(), Hkv, static_cast<int>(d), pos_ + t);
+        const std::ptrdiff_t slot = s.len + t;
+        for (int g = 0; g < Hkv; ++g) {
+          std::copy(k.row(t).data() + g * d, k.row(t).data() + (g + 1) * d, s.keys.data() + g * head_stride() + slot * d);
+          std::copy(v.row(t).data() + g * d, v.row(t).data() + (g + 1) * d, s.values.data() + g * head_stride() + slot * d);
+          s.bias[static_cast<std::size_t>(g * capacity_ + slot)] = 0.0f;
+        }
+        const std::ptrdiff_t wrow = window_row_of_first + t;
+        if (wrow >= 0 && wrow < window_) {
+          for (int h = 0; h < Hq; ++h) {
+            std::copy(q.row(t).data() + h * d, q.row(t).data() + (h + 1) * d,
+                      s.queries.data() + (static_cast<std::ptrdiff_t>(h) * window_ + wrow) * d);
+          }
+        }
+      }
+      // Causal attention: row t sees slots 0 .. len + t.
+      for (std::ptrdiff_t t = 0; t < T; ++t) {
+        const std::ptrdiff_t visible = s.len + t + 1;
+        for (int h = 0; h < Hq; ++h) {
+          const int g = h / G;
+          const float* qh = q.row(t).data() + h * d;
+          const float* kg = s.keys.data() + g * head_stride();
+          const float* vg = s.values.data() + g * head_stride();
+          const float* bg = s.bias.data() + g * capacity_;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (std::ptrdiff_t j = 0; j < visible; ++j) {
+            float dot = 0;
+            for (std::ptrdiff_t i = 0; i < d; ++i) dot += qh[i] * kg[j * d + i];
+            scores[static_cast<std::size_t>(j)] = scale * dot + bg[j];
+            mx = std::max(mx, scores[static_cast<std::size_t>(j)]);
+          }
+          float sum = 0;
+          for (std::ptrdiff_t j = 0; j < visible; ++j) {
+            const float e = std::exp(scores[static_cast<std::size_t>(j)] - mx);
+            scores[static_cast<std::size_t>(j)] = e;
+            sum += e;
+          }
+          float* o = att.row(t).data() + h * d;
+          std::fill(o, o + d, 0.0f);
+          for (std::ptrdiff_t j = 0; j < visible; ++j) {
+            const float p = scores[static_cast<std::size_t>(j)] / sum;
+            for (std::ptrdiff_t i = 0; i < d; ++i) o[i] += p * vg[j * d + i];
+          }
+        }
+      }
+      linear(att, w.wo, dim, proj);
+      x += proj;
+      rmsnorm_rows(x, w.rms_ffn, xb);
+      linear(xb, w.w1, c.hidden_dim, h1);
+      linear(xb, w.w3, c.hidden_dim, h3);
+      for (Eigen::Index r = 0; r < h1.rows(); ++r) {
+        for (Eigen::Index i = 0; i < h1.cols(); ++i) {
+          const float a = h1(r, i);
+          h1(r, i) = a / (1.0f + std::exp(-a)) * h3(r, i);
+        }
+      }
+      linear(h1, w.w2, dim, proj);
+      x += proj;
+    }
+    for (LayerState& s : layers_) s.len += T;
+    pos_ += T;
+    if (!need_logits) return {};
+    MatRM last = x.row(T - 1);
+    rmsnorm_rows(last, model_->rms_final(), xb);
+    MatRM logits;
+    linear(xb, model_->classifier(), c.vocab_size, logits);
+    return std::vector<float>(logits.data(), logits.data() + c.vocab_size);
+  }
+
+  const Model* model_;
+  std::ptrdiff_t capacity_ = 0;
+  std::ptrdiff_t d_ = 0;
+  std::ptrdiff_t pos_ = 0;
+  std::ptrdiff_t window_ = 0;
+  bool window_valid_ = false;
+  std::vector<LayerState> layers_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Sampling helpers (all deterministic across standard libraries)
+// ---------------------------------------------------------------------------------------------
+
+/// Index of the largest value (first on ties). n >= 1.
+inline int argmax(const float* x, std::ptrdiff_t n) {
+  std::ptrdiff_t best = 0;
+  for (std::ptrdiff_t i = 1; i < n; ++i) {
+    if (x[i] > x[best]) best = i;
+  }
+  return static_cast<int>(best);
+}
+inline int argmax(const std::vector<float>& x) { return argmax(x.data(), static_cast<std::ptrdiff_t>(x.size())); }
+inline int argmax(const std::vector<double>& x) {
+  return static_cast<int>(std::max_element(x.begin(), x.end()) - x.begin());
+}
+
+/// softmax(logits / temperature) in double. temperature > 0.
+inline std::vector<double> softmax(const float* logits, std::ptrdiff_t n, double temperature = 1.0) {
+  std::vector<double> p(static_cast<std::size_t>(n));
+  double mx = -std::numeric_limits<double>::infinity();
+  for (std::ptrdiff_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<double>(logits[i]) / temperature);
+  double sum = 0;
+  for (std::ptrdiff_t i = 0; i < n; ++i) {
+    p[static_cast<std::size_t>(i)] = std::exp(static_cast<double>(logits[i]) / temperature - mx);
+    sum += p[static_cast<std::size_t>(i)];
+  }
+  for (double& x : p) x /= sum;
+  return p;
+}
+inline std::vector<double> softmax(const std::vector<float>& logits, double temperature = 1.0) {
+  return softmax(logits.data(), static_cast<std::ptrdiff_t>(logits.size()), temperature);
+}
+
+/// log_softmax(logits) in double: logits - max - log(sum exp(logits - max)).
+inline std::vector<double> log_softmax(const float* logits, std::ptrdiff_t n) {
+  std::vector<double> out(static_cast<std::size_t>(n));
+  double mx = -std::numeric_limits<double>::infinity();
+  for (std::ptrdiff_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
+  double sum = 0;
+  for (std::ptrdiff_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  for (std::ptrdiff_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = static_cast<double>(logits[i]) - lse;
+  return out;
+}
+inline std::vector<double> log_softmax(const std::vector<float>& logits) {
+  return log_softmax(logits.data(), static_cast<std::ptrdiff_t>(logits.size()));
+}
+
+/// Uniform double in [0, 1) from the top 53 bits of one mt19937_64 draw.
+inline double uniform01(std::mt19937_64& rng) {
+  return static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/// Uniform integer in [0, n) by rejection (no modulo bias), n >= 1.
+inline std::uint64_t uniform_index(std::mt19937_64& rng, std::uint64_t n) {
+  const std::uint64_t limit = std::numeric_limits<std::uint64_t>::max() - std::numeric_limits<std::uint64_t>::max() % n;
+  std::uint64_t r = 0;
+  do {
+    r = rng();
+  } while (r >= limit);
+  return r % n;
+}
+
+/// Inverse-CDF draw: the first i with u * sum(p) < p_0 + ... + p_i (skipping zero-probability
+/// entries at the end if rounding runs past them). u in [0, 1).
+inline int sample_categorical(const std::vector<double>& probs, double u) {
+  double total = 0;
+  for (const double p : probs) total += p;
+  const double target = u * total;
+  double cum = 0;
+  int last_positive = 0;
+  for (std::size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] > 0) last_positive = static_cast<int>(i);
+    cum += probs[i];
+    if (target < cum) return static_cast<int>(i);
+  }
+  return last_positive;
+}
+
+/// Next token: argmax when temperature <= 0 (no draw), else one uniform01 draw through
+/// sample_categorical(softmax(logits / temperature)).
+inline int sample(const std::vector<float>& logits, double temperature, std::mt19937_64& rng) {
+  if (temperature <= 0) return argmax(logits);
+  return sample_categorical(softmax(logits, temperature), uniform01(rng));
+}
+
+/// Feeds `prompt` (non-empty, e.g. {BOS}) then samples `n_new` tokens; returns only the new tokens.
+inline std::vector<int> generate(Session& session, const std::vector<int>& prompt, int n_new, double temperature,
+                                 std::uint64_t seed = 0, bool batched_prefill = true) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> logits = session.prefill(prompt, 0, batched_prefill);
+  std::vector<int> out;
+  for (int i = 0; i < n_new; ++i) {
+    const int next = sample(logits, temperature, rng);
+    out.push_back(next);
+    if (i + 1 < n_new) logits = session.forward(next);
+  }
+  return out;
+}
+
+}  // namespace kvc::engine

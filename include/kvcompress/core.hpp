@@ -1,0 +1,342 @@
+// kvcompress core: version, macros, errors, element types, strided views and shape checks.
+//
+// This header depends on Eigen/Core only (no SIMD, no threads) so that an engine can include it in
+// the translation units that merely describe its cache memory.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#define KVC_VERSION_MAJOR 0
+#define KVC_VERSION_MINOR 1
+#define KVC_VERSION_PATCH 0
+
+/// Internal invariant check. Off unless KVC_ENABLE_ASSERTS is defined (or NDEBUG is not defined and
+/// KVC_DISABLE_ASSERTS is not). Override by defining KVC_ASSERT before including any kvcompress header.
+#ifndef KVC_ASSERT
+#if defined(KVC_ENABLE_ASSERTS) || (!defined(NDEBUG) && !defined(KVC_DISABLE_ASSERTS))
+#include <cassert>
+#define KVC_ASSERT(cond) assert(cond)
+#else
+#define KVC_ASSERT(cond) ((void)0)
+#endif
+#endif
+
+namespace kvc {
+
+using Index = std::ptrdiff_t;
+
+inline constexpr const char* version_string() { return "0.1.0"; }
+
+// -------------------------------------------------------------------------------------------------
+// Errors
+// -------------------------------------------------------------------------------------------------
+
+/// Thrown by the throwing entry points (`Pipeline::run`, `compact_into`, ...) for bad caller input.
+/// The message names the offending field and its value.
+class error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// Result of a non-throwing `validate(...)`: ok, or the first problem found with a message.
+class Status {
+ public:
+  enum class Code { ok, invalid_shape, invalid_budget, invalid_argument, non_finite, aliasing };
+
+  Status() = default;
+  static Status ok() { return {}; }
+  static Status fail(Code code, std::string message) { return Status(code, std::move(message)); }
+
+  bool is_ok() const { return code_ == Code::ok; }
+  explicit operator bool() const { return is_ok(); }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+  /// Throws kvc::error with the message unless ok.
+  void throw_if_error() const {
+    if (!is_ok()) throw error(message_);
+  }
+
+ private:
+  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+  Code code_ = Code::ok;
+  std::string message_;
+};
+
+namespace detail {
+template <class... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+}  // namespace detail
+
+/// Evaluates a Status-returning expression and returns it from the enclosing function if it failed.
+#define KVC_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::kvc::Status kvc_status_ = (expr);        \
+    if (!kvc_status_.is_ok()) return kvc_status_; \
+  } while (0)
+
+// -------------------------------------------------------------------------------------------------
+// Element types
+// -------------------------------------------------------------------------------------------------
+
+/// The element types a cache may hold. Arithmetic happens in `compute_t<T>`: float, or double for
+/// reference runs on double input.
+template <class T>
+inline constexpr bool is_element_type_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, Eigen::half> ||
+    std::is_same_v<T, Eigen::bfloat16>;
+
+template <class T>
+using compute_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, double>, double, float>;
+
+template <class Real, class T>
+inline Real to_real(T x) {
+  return static_cast<Real>(x);
+}
+template <class Real>
+inline Real to_real(Eigen::half x) {
+  return static_cast<Real>(static_cast<float>(x));
+}
+template <class Real>
+inline Real to_real(Eigen::bfloat16 x) {
+  return static_cast<Real>(static_cast<float>(x));
+}
+
+template <class T, class Real>
+inline T from_real(Real x) {
+  if constexpr (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>) {
+    return T(static_cast<float>(x));
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+// Dense row-major helpers used throughout (row = token or query, column = feature).
+template <class Real>
+using RowMatrix = Eigen::Matrix<Real, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class Real>
+using Vector = Eigen::Matrix<Real, Eigen::Dynamic, 1>;
+
+// -------------------------------------------------------------------------------------------------
+// Views
+// -------------------------------------------------------------------------------------------------
+
+/// Zero-copy strided view of a rank-3 tensor `[heads][tokens][dim]` with unit stride inside a vector.
+/// `T` may be const-qualified. Strides are in elements.
+///
+///   HF / vLLM per layer  [H][n][d]: head_stride = n*d, token_stride = d   (make_head_major)
+///   llama.cpp            [n][H][d]: head_stride = d,   token_stride = H*d (make_token_major)
+template <class T>
+struct TensorView {
+  T* data = nullptr;
+  Index heads = 0;
+  Index tokens = 0;
+  Index dim = 0;
+  Index head_stride = 0;
+  Index token_stride = 0;
+
+  using element_type = std::remove_const_t<T>;
+
+  /// Pointer to the vector of head `h`, token `j` (`dim` contiguous elements).
+  T* row(Index h, Index j) const { return data + h * head_stride + j * token_stride; }
+
+  /// Contiguous head-major view over a buffer laid out `[heads][tokens][dim]`.
+  static TensorView head_major(T* data, Index heads, Index tokens, Index dim) {
+    return {data, heads, tokens, dim, tokens * dim, dim};
+  }
+  /// Contiguous token-major view over a buffer laid out `[tokens][heads][dim]`.
+  static TensorView token_major(T* data, Index tokens, Index heads, Index dim) {
+    return {data, heads, tokens, dim, dim, heads * dim};
+  }
+
+  /// The same memory seen as const.
+  TensorView<const element_type> as_const() const {
+    return {data, heads, tokens, dim, head_stride, token_stride};
+  }
+
+  /// Sub-view of tokens [first, first + count) of every head (no copy).
+  TensorView token_range(Index first, Index count) const {
+    return {data + first * token_stride, heads, count, dim, head_stride, token_stride};
+  }
+};
+
+template <class T>
+TensorView<T> make_head_major(T* data, Index heads, Index tokens, Index dim) {
+  return TensorView<T>::head_major(data, heads, tokens, dim);
+}
+template <class T>
+TensorView<T> make_token_major(T* data, Index tokens, Index heads, Index dim) {
+  return TensorView<T>::token_major(data, tokens, heads, dim);
+}
+
+/// One layer of one sequence as the engine cached it (SPEC §1).
+///   keys, values : [Hkv][n][d]   post-RoPE keys and values
+///   queries      : [Hq][W][d]    post-RoPE queries of the last W prefill positions n-W .. n-1
+template <class T>
+struct LayerView {
+  TensorView<const T> keys;
+  TensorView<const T> values;
+  TensorView<const T> queries;
+
+  Index kv_heads() const { return keys.heads; }
+  Index query_heads() const { return queries.heads; }
+  Index tokens() const { return keys.tokens; }
+  Index head_dim() const { return keys.dim; }
+  Index group_size() const { return keys.heads > 0 ? queries.heads / keys.heads : 0; }
+  /// Effective window: W clamped to n (SPEC §1); the last `window()` query rows are used.
+  Index window() const { return queries.tokens < keys.tokens ? queries.tokens : keys.tokens; }
+};
+
+// -------------------------------------------------------------------------------------------------
+// Shape and content checks (non-throwing)
+// -------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// Rows of a view must not overlap: with the smaller stride s1 over c1 entries and the larger s2,
+/// a view is alias-free when s1 >= dim and s2 >= s1 * c1 (dimensions of extent 1 are ignored).
+template <class T>
+bool rows_disjoint(const TensorView<T>& v) {
+  if (v.head_stride < 0 || v.token_stride < 0) return false;
+  Index s[2] = {v.head_stride, v.token_stride};
+  Index c[2] = {v.heads, v.tokens};
+  int active = 0;
+  Index as[2] = {0, 0}, ac[2] = {0, 0};
+  for (int k = 0; k < 2; ++k) {
+    if (c[k] > 1) {
+      as[active] = s[k];
+      ac[active] = c[k];
+      ++active;
+    }
+  }
+  if (active == 0) return true;
+  if (active == 1) return as[0] >= v.dim;
+  if (as[0] > as[1]) {
+    std::swap(as[0], as[1]);
+    std::swap(ac[0], ac[1]);
+  }
+  return as[0] >= v.dim && as[1] >= as[0] * ac[0];
+}
+
+template <class T>
+Status check_view(const TensorView<T>& v, const char* name) {
+  if (v.heads <= 0 || v.tokens <= 0 || v.dim <= 0)
+    return Status::fail(Status::Code::invalid_shape,
+                        concat(name, ": every dimension must be positive, got [heads=", v.heads,
+                               "][tokens=", v.tokens, "][dim=", v.dim, "]"));
+  if (v.data == nullptr)
+    return Status::fail(Status::Code::invalid_argument, concat(name, ": data is null"));
+  if (!rows_disjoint(v))
+    return Status::fail(Status::Code::aliasing,
+                        concat(name, ": strides alias (head_stride=", v.head_stride,
+                               ", token_stride=", v.token_stride, ", dim=", v.dim,
+                               "): rows would overlap"));
+  return Status::ok();
+}
+
+template <class T>
+Status check_finite(const TensorView<T>& v, const char* name) {
+  for (Index h = 0; h < v.heads; ++h)
+    for (Index j = 0; j < v.tokens; ++j) {
+      const auto* r = v.row(h, j);
+      for (Index k = 0; k < v.dim; ++k) {
+        const float x = to_real<float>(r[k]);
+        if (!std::isfinite(x))
+          return Status::fail(Status::Code::non_finite,
+                              concat(name, "[", h, "][", j, "][", k, "] is not finite (", x, ")"));
+      }
+    }
+  return Status::ok();
+}
+
+}  // namespace detail
+
+/// Checks shapes, strides and (optionally) finiteness of a layer. O(n·d·H) when `check_values`.
+template <class T>
+Status validate_layer(const LayerView<T>& layer, bool check_values = true) {
+  KVC_RETURN_IF_ERROR(detail::check_view(layer.keys, "keys"));
+  KVC_RETURN_IF_ERROR(detail::check_view(layer.values, "values"));
+  KVC_RETURN_IF_ERROR(detail::check_view(layer.queries, "queries"));
+  using detail::concat;
+  if (layer.values.heads != layer.keys.heads || layer.values.tokens != layer.keys.tokens ||
+      layer.values.dim != layer.keys.dim)
+    return Status::fail(Status::Code::invalid_shape,
+                        concat("values: shape [", layer.values.heads, "][", layer.values.tokens, "][",
+                               layer.values.dim, "] differs from keys [", layer.keys.heads, "][",
+                               layer.keys.tokens, "][", layer.keys.dim, "]"));
+  if (layer.queries.dim != layer.keys.dim)
+    return Status::fail(Status::Code::invalid_shape,
+                        concat("queries.dim = ", layer.queries.dim, " differs from keys.dim = ",
+                               layer.keys.dim));
+  if (layer.queries.heads % layer.keys.heads != 0)
+    return Status::fail(Status::Code::invalid_shape,
+                        concat("query heads (", layer.queries.heads,
+                               ") must be a multiple of KV heads (", layer.keys.heads, ")"));
+  if (check_values) {
+    KVC_RETURN_IF_ERROR(detail::check_finite(layer.keys, "keys"));
+    KVC_RETURN_IF_ERROR(detail::check_finite(layer.values, "values"));
+    // Only the last window() query rows are read.
+    KVC_RETURN_IF_ERROR(detail::check_finite(
+        layer.queries.token_range(layer.queries.tokens - layer.window(), layer.window()),
+        "queries"));
+  }
+  return Status::ok();
+}
+
+// -------------------------------------------------------------------------------------------------
+// Budget (SPEC §3)
+// -------------------------------------------------------------------------------------------------
+
+/// Entries kept per KV head: a retention ratio rho in (0, 1] (m = floor(rho * n)) or an absolute m.
+class Budget {
+ public:
+  static Budget ratio(double rho) { return Budget(true, rho, 0); }
+  static Budget tokens(Index m) { return Budget(false, 0.0, m); }
+
+  bool is_ratio() const { return is_ratio_; }
+  double rho() const { return rho_; }
+  Index absolute() const { return m_; }
+
+  Status validate() const {
+    if (is_ratio_) {
+      if (!(rho_ > 0.0 && rho_ <= 1.0))
+        return Status::fail(Status::Code::invalid_budget,
+                            detail::concat("budget ratio must be in (0, 1], got ", rho_));
+    } else if (m_ <= 0) {
+      return Status::fail(Status::Code::invalid_budget,
+                          detail::concat("budget must be a positive token count, got ", m_));
+    }
+    return Status::ok();
+  }
+
+  /// m for a cache of n tokens, before clamping to n. May be 0 for a tiny ratio (invalid).
+  Index resolve(Index n) const {
+    if (!is_ratio_) return m_;
+    // floor(rho * n) with a guard against 0.3 * 10 = 2.9999999
+    const double x = rho_ * static_cast<double>(n);
+    Index m = static_cast<Index>(std::floor(x + 1e-9 * (x + 1.0)));
+    return m;
+  }
+
+ private:
+  Budget(bool is_ratio, double rho, Index m) : is_ratio_(is_ratio), rho_(rho), m_(m) {}
+  bool is_ratio_ = true;
+  double rho_ = 1.0;
+  Index m_ = 0;
+};
+
+}  // namespace kvc

@@ -1,0 +1,40 @@
+// Presets: the published methods as one-line compositions of policies. Each template argument of
+// TopK / BucketRouter is that method's default; all of them stay adjustable through Arguments.
+//
+//   TopK<sinks, recent, avg-pool kernel, granularity>      BucketRouter<bucket, statistic>
+#pragma once
+#ifndef KVC_INTERNAL_INCLUDE
+#define KVC_INTERNAL_INCLUDE
+#endif
+
+#include "kvcompress/compensator/compensators.hpp"
+#include "kvcompress/merger/gated_merge.hpp"
+#include "kvcompress/pipeline.hpp"
+#include "kvcompress/router/bucket_router.hpp"
+#include "kvcompress/scorer/scorers.hpp"
+#include "kvcompress/selector/top_k.hpp"
+
+namespace kvc {
+
+/// StreamingLLM: 4 attention sinks + the most recent tokens. Needs no window attention.
+using StreamingLLM = Pipeline<Position, TopK<4, 0, 0>, NoRoute, Drop, NoCompensation>;
+
+/// SnapKV: window attention mass, average-pooled (kernel 5), per KV head; the observation window
+/// (pass W = 32 queries) is kept as the recent tokens.
+using SnapKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, Drop, NoCompensation>;
+
+/// SelKV selection only: attention × value norm, pool 5, recent 16, shared across KV heads.
+using SelKVEvict = Pipeline<ValueWeighted, TopK<0, 16, 5, Granularity::shared>, NoRoute, Drop, NoCompensation>;
+
+/// SelKV: the above + key-cosine routing in 32-token buckets, soft cosine gate, α·log R bias (α 0.5).
+using SelKV = Pipeline<ValueWeighted, TopK<0, 16, 5, Granularity::shared>, BucketRouter<32>, SoftGate,
+                       AttentionRatio>;
+
+/// SelKV with every evicted token merged (g = 1): the ablation of the soft gate.
+using SelKVMergeAll = Pipeline<ValueWeighted, TopK<0, 16, 5, Granularity::shared>, BucketRouter<32>, MergeAll,
+                               AttentionRatio>;
+
+/// KNorm: keep low-norm keys (plus the recent window), per KV head.
+using KNorm = Pipeline<KeyNorm, TopK<0, 32, 0>, NoRoute, Drop, NoCompensation>;
+
+}  // namespace kvc

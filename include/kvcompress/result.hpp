@@ -1,0 +1,89 @@
+// The compressed layer (SPEC §11) and its compaction into caller-provided cache memory.
+#pragma once
+#ifndef KVC_INTERNAL_INCLUDE
+#define KVC_INTERNAL_INCLUDE
+#endif
+
+#include "kvcompress/core.hpp"
+#include "kvcompress/policy.hpp"
+
+#include <vector>
+
+namespace kvc {
+
+/// One compressed KV head.
+template <class Real>
+struct HeadResult {
+  std::vector<Index> positions;  // (m_g) kept original positions, ascending
+  RowMatrix<Real> keys;          // (m_g, d)
+  RowMatrix<Real> values;        // (m_g, d)
+  Vector<Real> bias;             // (m_g) additive decode-time logit bias
+  HeadDiagnostics diagnostics;
+
+  Index size() const { return static_cast<Index>(positions.size()); }
+};
+
+/// One compressed layer: per KV head results, and the RoPE position the next decoded token uses
+/// (n, or m when keys were repositioned).
+template <class Real>
+struct LayerResult {
+  std::vector<HeadResult<Real>> heads;
+  Index next_position = 0;
+  bool shared_positions = false;  ///< every head kept the same positions (shared selection)
+
+  /// Largest m_g over heads (the cache length an engine needs for this layer).
+  Index max_size() const {
+    Index m = 0;
+    for (const auto& h : heads) m = std::max(m, h.size());
+    return m;
+  }
+};
+
+/// Writes head g's compressed keys and values into rows 0..m_g−1 of `keys_out` / `values_out`,
+/// converting to the cache's element type. Either layout works (the views carry the strides). The
+/// destination may be the very cache the layer was read from (in-place compaction): the result
+/// already holds its own copy. Rows ≥ m_g are not touched. Throws kvc::error (and writes nothing)
+/// when shapes do not fit. O(Σ m_g·d).
+template <class Real, class T>
+void compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out,
+                  const TensorView<T>& values_out) {
+  static_assert(!std::is_const_v<T>, "compact_into needs writable views");
+  using detail::concat;
+  detail::check_view(keys_out, "keys_out").throw_if_error();
+  detail::check_view(values_out, "values_out").throw_if_error();
+  const Index H = static_cast<Index>(result.heads.size());
+  for (const auto* v : {&keys_out, &values_out}) {
+    if (v->heads != H)
+      throw error(concat("compact_into: destination has ", v->heads, " heads, result has ", H));
+    if (v->tokens < result.max_size())
+      throw error(concat("compact_into: destination holds ", v->tokens, " tokens, result needs ",
+                         result.max_size()));
+    if (H > 0 && v->dim != result.heads[0].keys.cols())
+      throw error(concat("compact_into: destination dim ", v->dim, " != result dim ",
+                         result.heads[0].keys.cols()));
+  }
+  for (Index g = 0; g < H; ++g) {
+    const auto& hr = result.heads[g];
+    for (Index i = 0; i < hr.size(); ++i) {
+      T* k = keys_out.row(g, i);
+      T* v = values_out.row(g, i);
+      for (Index c = 0; c < keys_out.dim; ++c) {
+        k[c] = from_real<T>(hr.keys(i, c));
+        v[c] = from_real<T>(hr.values(i, c));
+      }
+    }
+  }
+}
+
+/// Writes the bias of head g into bias_out[g * head_stride + i] for i < m_g (e.g. an engine's
+/// additive attention-mask row). Throws kvc::error when a row does not fit `capacity`.
+template <class Real, class B>
+void compact_bias_into(const LayerResult<Real>& result, B* bias_out, Index head_stride, Index capacity) {
+  if (result.max_size() > capacity)
+    throw error(detail::concat("compact_bias_into: capacity ", capacity, " < ", result.max_size()));
+  for (std::size_t g = 0; g < result.heads.size(); ++g)
+    for (Index i = 0; i < result.heads[g].size(); ++i)
+      bias_out[static_cast<Index>(g) * head_stride + i] = static_cast<B>(result.heads[g].bias[i]);
+}
+
+}  // namespace kvc

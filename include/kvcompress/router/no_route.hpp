@@ -1,0 +1,24 @@
+// The no-op router: routes nothing.
+#pragma once
+#ifndef KVC_INTERNAL_INCLUDE
+#define KVC_INTERNAL_INCLUDE
+#endif
+
+#include "kvcompress/core.hpp"
+#include "kvcompress/policy.hpp"
+
+namespace kvc {
+
+/// The no-op router: routes nothing (for Drop and for mergers that ignore routing, e.g. RidgeMerge).
+struct NoRoute {
+  struct Arguments {};
+  static constexpr bool needs_mass = false;
+  Arguments args;
+  Status validate() const { return Status::ok(); }
+  template <class T>
+  void route(const HeadContext<T>&, Routing& routing) const {
+    routing.target.clear();
+  }
+};
+
+}  // namespace kvc

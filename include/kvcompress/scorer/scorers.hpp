@@ -1,0 +1,86 @@
+// Scorers (SPEC §4): one score per cached token and KV head, higher = keep.
+//
+// Every scorer has a nested `Arguments`, a non-throwing `validate`, a compile-time flag
+// `needs_mass` (whether it reads the window attention mass a_g) and the verb `score`.
+#pragma once
+#ifndef KVC_INTERNAL_INCLUDE
+#define KVC_INTERNAL_INCLUDE
+#endif
+
+#include "kvcompress/core.hpp"
+#include "kvcompress/detail/rows.hpp"
+
+namespace kvc {
+
+/// SnapKV: c_g[j] = a_g[j], the window attention mass.
+struct AttentionMass {
+  struct Arguments {};
+  static constexpr bool needs_mass = true;
+  Arguments args;
+
+  Status validate() const { return Status::ok(); }
+
+  /// score (n) <- mass (n). O(n).
+  template <class T>
+  void score(const LayerView<T>&, Index /*g*/, const Vector<compute_t<T>>& mass,
+             Vector<compute_t<T>>& out) const {
+    out = mass;
+  }
+};
+
+/// SelKV Eq. 1: c_g[j] = a_g[j] · ‖v_{g,j}‖₂.
+struct ValueWeighted {
+  struct Arguments {};
+  static constexpr bool needs_mass = true;
+  Arguments args;
+
+  Status validate() const { return Status::ok(); }
+
+  /// score (n) <- mass (n) ⊙ row norms of V_g (n, d). O(n·d).
+  template <class T>
+  void score(const LayerView<T>& layer, Index g, const Vector<compute_t<T>>& mass,
+             Vector<compute_t<T>>& out) const {
+    using Real = compute_t<T>;
+    const Index n = layer.tokens(), d = layer.head_dim();
+    out.resize(n);
+    for (Index j = 0; j < n; ++j) out[j] = mass[j] * detail::row_norm<Real>(layer.values.row(g, j), d);
+  }
+};
+
+/// KNorm: c_g[j] = −‖k_{g,j}‖₂ (low-norm keys attract attention). Does not need window attention.
+struct KeyNorm {
+  struct Arguments {};
+  static constexpr bool needs_mass = false;
+  Arguments args;
+
+  Status validate() const { return Status::ok(); }
+
+  template <class T>
+  void score(const LayerView<T>& layer, Index g, const Vector<compute_t<T>>&,
+             Vector<compute_t<T>>& out) const {
+    using Real = compute_t<T>;
+    const Index n = layer.tokens(), d = layer.head_dim();
+    out.resize(n);
+    for (Index j = 0; j < n; ++j) out[j] = -detail::row_norm<Real>(layer.keys.row(g, j), d);
+  }
+};
+
+/// StreamingLLM: no content score. c_g[j] = j, so that filling the budget "by score" keeps the most
+/// recent tokens after the sinks. The no-op scorer.
+struct Position {
+  struct Arguments {};
+  static constexpr bool needs_mass = false;
+  Arguments args;
+
+  Status validate() const { return Status::ok(); }
+
+  template <class T>
+  void score(const LayerView<T>& layer, Index, const Vector<compute_t<T>>&,
+             Vector<compute_t<T>>& out) const {
+    using Real = compute_t<T>;
+    out.resize(layer.tokens());
+    for (Index j = 0; j < layer.tokens(); ++j) out[j] = static_cast<Real>(j);  // exact integers
+  }
+};
+
+}  // namespace kvc

@@ -1,0 +1,198 @@
+// Selector (SPEC §3, §5): forced sinks and recent tokens, then the top scores, per KV head or
+// shared by all KV heads; optional SnapKV-style pooling of the scores over the candidate region.
+#pragma once
+#ifndef KVC_INTERNAL_INCLUDE
+#define KVC_INTERNAL_INCLUDE
+#endif
+
+#include "kvcompress/core.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+namespace kvc {
+
+enum class Pooling { none, average, max };
+enum class Granularity { per_head, shared };
+
+inline const char* to_string(Pooling p) {
+  return p == Pooling::none ? "none" : p == Pooling::average ? "average" : "max";
+}
+inline const char* to_string(Granularity g) { return g == Granularity::per_head ? "per_head" : "shared"; }
+
+/// The selector's output: per KV head the kept positions (ascending) and the score it ranked by.
+template <class Real>
+struct Selection {
+  std::vector<std::vector<Index>> kept;     // [Hkv][m_g]
+  std::vector<std::vector<Index>> evicted;  // [Hkv][n - m_g]
+  std::vector<Vector<Real>> score;          // [Hkv](n) pooled score (the head mean when shared)
+  bool shared = false;                      // all heads keep the same positions
+};
+
+/// How many tokens are forced for a budget m (SPEC §3): min(sinks, m) first tokens, then up to
+/// `recent` most recent tokens while budget and cache last.
+struct ForcedCounts {
+  Index sinks = 0;
+  Index recent = 0;
+};
+inline ForcedCounts forced_counts(Index n, Index m, Index sinks, Index recent) {
+  ForcedCounts f;
+  f.sinks = std::min({sinks, m, n});
+  f.recent = std::max<Index>(0, std::min({recent, m - f.sinks, n - f.sinks}));
+  return f;
+}
+
+/// 1-D pooling of `x` over [lo, hi) only, in place of `out` (other entries copied from x):
+/// average with zero padding at the region's edges and divisor `kernel` (avg_pool1d default), or
+/// max over the in-region part of the window. O(n·kernel).
+template <class Real>
+void pool_region(const Vector<Real>& x, Index lo, Index hi, Index kernel, Pooling kind,
+                 Vector<Real>& out) {
+  out = x;
+  if (kind == Pooling::none || kernel <= 1 || hi - lo <= 0) return;
+  const Index half = kernel / 2;
+  if (kind == Pooling::average) {
+    for (Index j = lo; j < hi; ++j) {
+      Real s = 0;
+      for (Index t = std::max(lo, j - half); t <= std::min(hi - 1, j + half); ++t) s += x[t];
+      out[j] = s / static_cast<Real>(kernel);
+    }
+  } else {
+    for (Index j = lo; j < hi; ++j) {
+      Real mx = x[j];
+      for (Index t = std::max(lo, j - half); t <= std::min(hi - 1, j + half); ++t) mx = std::max(mx, x[t]);
+      out[j] = mx;
+    }
+  }
+}
+
+/// The selector. Template parameters are the preset's defaults (sinks, recent, average-pooling
+/// kernel, granularity); every one of them can be changed at run time through `Arguments`.
+template <Index DefaultSinks = 0, Index DefaultRecent = 0, Index DefaultPool = 0,
+          Granularity DefaultGranularity = Granularity::per_head>
+struct TopK {
+  struct Arguments {
+    Index sinks = DefaultSinks;    ///< first tokens always kept (StreamingLLM attention sinks)
+    Index recent = DefaultRecent;  ///< most recent tokens always kept (SnapKV keeps its window)
+    Index pool_kernel = DefaultPool;  ///< odd pooling kernel P; 0 or 1 = no pooling
+    Pooling pooling = DefaultPool > 1 ? Pooling::average : Pooling::none;
+    Granularity granularity = DefaultGranularity;
+  };
+  Arguments args;
+
+  Status validate() const {
+    using detail::concat;
+    if (args.sinks < 0)
+      return Status::fail(Status::Code::invalid_argument, concat("selector.sinks must be >= 0, got ", args.sinks));
+    if (args.recent < 0)
+      return Status::fail(Status::Code::invalid_argument, concat("selector.recent must be >= 0, got ", args.recent));
+    if (args.pooling != Pooling::none && (args.pool_kernel < 1 || args.pool_kernel % 2 == 0))
+      return Status::fail(Status::Code::invalid_argument,
+                          concat("selector.pool_kernel must be odd and >= 1 when pooling, got ", args.pool_kernel));
+    return Status::ok();
+  }
+
+  bool shares_positions() const { return args.granularity == Granularity::shared; }
+
+  /// scores: [Hkv](n) raw scores; budgets: [Hkv] entries to keep (already clamped to [1, n]).
+  /// Complexity O(Hkv · n log n).
+  template <class Real>
+  void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets,
+              Selection<Real>& out) const {
+    const Index H = static_cast<Index>(scores.size());
+    const Index n = H > 0 ? scores[0].size() : 0;
+    out.kept.assign(H, {});
+    out.evicted.assign(H, {});
+    out.score.assign(H, {});
+    out.shared = shares_positions();
+
+    std::vector<ForcedCounts> forced(H);
+    for (Index g = 0; g < H; ++g) {
+      forced[g] = forced_counts(n, budgets[g], args.sinks, args.recent);
+      const Index pool = args.pooling == Pooling::none ? 0 : args.pool_kernel;
+      pool_region(scores[g], forced[g].sinks, n - forced[g].recent, pool, args.pooling, out.score[g]);
+    }
+
+    if (!out.shared) {
+      for (Index g = 0; g < H; ++g)
+        out.kept[g] = keep_one(out.score[g], n, budgets[g], forced[g], nullptr);
+    } else {
+      // Each head proposes its own top m'; the union is trimmed to m' by the mean pooled score.
+      Vector<Real> mean = Vector<Real>::Zero(n);
+      for (Index g = 0; g < H; ++g) mean += out.score[g];
+      mean /= static_cast<Real>(H);
+      std::vector<char> proposed(n, 0);
+      for (Index g = 0; g < H; ++g)
+        for (Index p : top_candidates(out.score[g], n, budgets[g], forced[g], nullptr)) proposed[p] = 1;
+      const std::vector<Index> kept = keep_one(mean, n, budgets[0], forced[0], &proposed);
+      for (Index g = 0; g < H; ++g) {
+        out.kept[g] = kept;
+        out.score[g] = mean;
+      }
+    }
+    for (Index g = 0; g < H; ++g) {
+      std::vector<char> is_kept(n, 0);
+      for (Index p : out.kept[g]) is_kept[p] = 1;
+      out.evicted[g].reserve(n - out.kept[g].size());
+      for (Index j = 0; j < n; ++j)
+        if (!is_kept[j]) out.evicted[g].push_back(j);
+    }
+  }
+
+ private:
+  /// Top (m − forced) candidates in [sinks, n − recent) by score (ties: lower position), restricted
+  /// to `allowed` positions when given. Unsorted.
+  template <class Real>
+  static std::vector<Index> top_candidates(const Vector<Real>& s, Index n, Index m, ForcedCounts f,
+                                           const std::vector<char>* allowed) {
+    std::vector<Index> cand;
+    if (m >= n) return cand;
+    cand.reserve(n);
+    for (Index j = f.sinks; j < n - f.recent; ++j)
+      if (!allowed || (*allowed)[j]) cand.push_back(j);
+    const Index k = std::min<Index>(m - f.sinks - f.recent, static_cast<Index>(cand.size()));
+    auto better = [&s](Index a, Index b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+    std::nth_element(cand.begin(), cand.begin() + k, cand.end(), better);
+    cand.resize(k);
+    return cand;
+  }
+
+  template <class Real>
+  static std::vector<Index> keep_one(const Vector<Real>& s, Index n, Index m, ForcedCounts f,
+                                     const std::vector<char>* allowed) {
+    std::vector<Index> kept;
+    if (m >= n) {
+      kept.resize(n);
+      std::iota(kept.begin(), kept.end(), Index(0));
+      return kept;
+    }
+    kept = top_candidates(s, n, m, f, allowed);
+    for (Index j = 0; j < f.sinks; ++j) kept.push_back(j);
+    for (Index j = n - f.recent; j < n; ++j) kept.push_back(j);
+    std::sort(kept.begin(), kept.end());
+    return kept;
+  }
+};
+
+/// The no-op selector: keeps every token (nothing is evicted).
+struct KeepAll {
+  struct Arguments {};
+  Arguments args;
+  Status validate() const { return Status::ok(); }
+  bool shares_positions() const { return false; }
+
+  template <class Real>
+  void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>&,
+              Selection<Real>& out) const {
+    const Index H = static_cast<Index>(scores.size());
+    const Index n = H > 0 ? scores[0].size() : 0;
+    out.kept.assign(H, std::vector<Index>(n));
+    for (auto& k : out.kept) std::iota(k.begin(), k.end(), Index(0));
+    out.evicted.assign(H, {});
+    out.score = scores;
+    out.shared = false;
+  }
+};
+
+}  // namespace kvc

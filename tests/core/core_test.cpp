@@ -1,0 +1,179 @@
+// Views, layouts, budgets and input validation (core.hpp), and the pipeline's error paths.
+#include <catch2/catch.hpp>
+
+#include "support/bridge.hpp"
+#include "support/random.hpp"
+
+#include <cmath>
+#include <limits>
+
+using namespace kvc;
+using kvc::test::Layout;
+
+TEST_CASE("views address both layouts without copies", "[core][view]") {
+  std::vector<float> buf(3 * 5 * 4);
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = float(i);
+  const auto hm = make_head_major<const float>(buf.data(), 3, 5, 4);  // [H][n][d]
+  const auto tm = make_token_major<const float>(buf.data(), 5, 3, 4);  // [n][H][d]
+  CHECK(hm.row(2, 3) == buf.data() + (2 * 5 + 3) * 4);
+  CHECK(tm.row(2, 3) == buf.data() + (3 * 3 + 2) * 4);
+  CHECK(hm.token_range(1, 2).row(0, 0) == hm.row(0, 1));
+  CHECK(detail::rows_disjoint(hm));
+  CHECK(detail::rows_disjoint(tm));
+}
+
+TEST_CASE("aliasing strides are detected", "[core][view][errors]") {
+  std::vector<float> buf(1000);
+  TensorView<const float> v{buf.data(), 2, 4, 8, 8, 8};  // heads and tokens share rows
+  CHECK_FALSE(detail::rows_disjoint(v));
+  v = {buf.data(), 2, 4, 8, 32, 4};  // token stride shorter than a vector
+  CHECK_FALSE(detail::rows_disjoint(v));
+  v = {buf.data(), 2, 4, 8, -32, 8};  // negative stride
+  CHECK_FALSE(detail::rows_disjoint(v));
+  v = {buf.data(), 1, 4, 8, 0, 8};  // one head: head stride irrelevant
+  CHECK(detail::rows_disjoint(v));
+  v = {buf.data(), 2, 4, 8, 40, 10};  // padded rows
+  CHECK(detail::rows_disjoint(v));
+}
+
+TEST_CASE("budget resolution follows SPEC §3", "[core][budget]") {
+  CHECK(Budget::ratio(0.25).resolve(100) == 25);
+  CHECK(Budget::ratio(0.3).resolve(10) == 3);  // floor(2.9999999) must not bite
+  CHECK(Budget::ratio(0.1).resolve(9) == 0);
+  CHECK(Budget::tokens(7).resolve(3) == 7);
+  CHECK_FALSE(Budget::ratio(0.0).validate());
+  CHECK_FALSE(Budget::ratio(1.5).validate());
+  CHECK_FALSE(Budget::ratio(std::nan("")).validate());
+  CHECK_FALSE(Budget::tokens(0).validate());
+  CHECK_FALSE(Budget::tokens(-3).validate());
+  CHECK(Budget::ratio(1.0).validate());
+  CHECK(Budget::tokens(1).validate());
+}
+
+namespace {
+
+struct Fixture {
+  long Hkv = 2, Hq = 4, n = 40, d = 8, W = 6;
+  std::mt19937_64 rng = kvc::test::make_rng(11);
+  ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d);
+  ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
+  ref::Tensor3 Q = kvc::test::random_tensor(rng, Hq, W, d);
+};
+
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const kvc::error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("bad input is rejected with the field and value, and nothing is written", "[core][errors]") {
+  INFO("seed " << kvc::test::test_seed());
+  Fixture f;
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
+  const std::vector<float> k_before = b.keys.data, v_before = b.values.data, q_before = b.queries.data;
+  auto layer = b.view();
+  SelKV selkv;
+
+  SECTION("valid input passes") { CHECK(selkv.validate(layer, Budget::ratio(0.5))); }
+  SECTION("budget 0 and ratios that resolve to 0") {
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::tokens(0)); }), Catch::Contains("budget") && Catch::Contains("0"));
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.01)); }), Catch::Contains("resolves to 0"));
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(2.0)); }), Catch::Contains("(0, 1]"));
+  }
+  SECTION("Hq not a multiple of Hkv") {
+    layer.queries.heads = 3;
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("multiple of KV heads"));
+    CHECK(selkv.validate(layer, Budget::ratio(0.5)).code() == Status::Code::invalid_shape);
+  }
+  SECTION("zero-size dimensions") {
+    layer.keys.tokens = 0;
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys") && Catch::Contains("tokens=0"));
+    layer = b.view();
+    layer.keys.dim = 0;
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("dim=0"));
+    layer = b.view();
+    layer.queries.tokens = 0;
+    CHECK_FALSE(selkv.validate(layer, Budget::ratio(0.5)));
+  }
+  SECTION("shape mismatches") {
+    layer.values.tokens = f.n - 1;
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values: shape"));
+    layer = b.view();
+    layer.queries.dim = f.d - 1;
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("queries.dim"));
+  }
+  SECTION("null data and aliasing strides") {
+    layer.values.data = nullptr;
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("null"));
+    layer = b.view();
+    layer.keys.token_stride = 4;
+    CHECK(selkv.validate(layer, Budget::ratio(0.5)).code() == Status::Code::aliasing);
+  }
+  SECTION("NaN and Inf anywhere in K, V or the window queries") {
+    b.keys.view.row(1, 17)[3] = std::numeric_limits<float>::quiet_NaN();
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][17][3]"));
+    b.keys.view.row(1, 17)[3] = 0.f;
+    b.values.view.row(0, 39)[7] = std::numeric_limits<float>::infinity();
+    CHECK_THAT(error_of([&] { selkv.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[0][39][7]"));
+    b.values.view.row(0, 39)[7] = 0.f;
+    b.queries.view.row(3, 0)[0] = -std::numeric_limits<float>::infinity();
+    CHECK(selkv.validate(layer, Budget::ratio(0.5)).code() == Status::Code::non_finite);
+    b.queries.view.row(3, 0)[0] = 0.f;
+    CHECK(selkv.validate(layer, Budget::ratio(0.5)));
+    // restore the originals for the untouched-memory check below
+    b.keys.data = k_before;
+    b.values.data = v_before;
+    b.queries.data = q_before;
+  }
+  SECTION("bad options") {
+    SelKV::Arguments args;
+    args.selector.pool_kernel = 4;
+    CHECK_THAT(error_of([&] { SelKV(args).run(layer, Budget::ratio(0.5)); }), Catch::Contains("pool_kernel"));
+    args = {};
+    args.router.bucket = -1;
+    CHECK_THAT(error_of([&] { SelKV(args).run(layer, Budget::ratio(0.5)); }), Catch::Contains("bucket"));
+    args = {};
+    args.compensator.r_max = 0.5;
+    CHECK_THAT(error_of([&] { SelKV(args).run(layer, Budget::ratio(0.5)); }), Catch::Contains("r_max"));
+    args = {};
+    args.attention.scale = -1.0;
+    CHECK_THAT(error_of([&] { SelKV(args).run(layer, Budget::ratio(0.5)); }), Catch::Contains("scale"));
+    args = {};
+    args.reposition.enabled = true;
+    args.reposition.rotary_dim = 3;
+    CHECK_THAT(error_of([&] { SelKV(args).run(layer, Budget::ratio(0.5)); }), Catch::Contains("rotary_dim"));
+    args = {};
+    args.selector.sinks = -2;
+    CHECK_THAT(error_of([&] { SelKV(args).run(layer, Budget::ratio(0.5)); }), Catch::Contains("sinks"));
+  }
+  SECTION("per-head budgets") {
+    SnapKV snap;
+    CHECK_THAT(error_of([&] { snap.run(layer, std::vector<Index>{5}); }), Catch::Contains("one per KV head"));
+    CHECK_THAT(error_of([&] { snap.run(layer, std::vector<Index>{5, 0}); }), Catch::Contains("budgets[1]"));
+    CHECK_THAT(error_of([&] { selkv.run(layer, std::vector<Index>{5, 6}); }), Catch::Contains("shared selection"));
+    const auto r = snap.run(layer, std::vector<Index>{5, 9});
+    CHECK(r.heads[0].size() == 5);
+    CHECK(r.heads[1].size() == 9);
+  }
+  CHECK(b.keys.data == k_before);
+  CHECK(b.values.data == v_before);
+  CHECK(b.queries.data == q_before);
+}
+
+TEST_CASE("compact_into rejects destinations that do not fit and writes nothing", "[core][errors][compact]") {
+  Fixture f;
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::token_major);
+  const auto r = SnapKV{}.run(b.view(), Budget::tokens(10));
+  std::vector<float> k(2 * 9 * 8, -7.f), v(2 * 9 * 8, -7.f);
+  CHECK_THROWS_AS(compact_into(r, make_head_major(k.data(), 2, 9, 8), make_head_major(v.data(), 2, 9, 8)), kvc::error);
+  std::vector<float> k3(3 * 10 * 8, -7.f);
+  CHECK_THROWS_AS(compact_into(r, make_head_major(k3.data(), 3, 10, 8), make_head_major(k3.data(), 3, 10, 8)), kvc::error);
+  for (float x : k) CHECK(x == -7.f);
+  for (float x : k3) CHECK(x == -7.f);
+}

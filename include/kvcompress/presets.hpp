@@ -9,12 +9,16 @@
 
 #include "kvcompress/compensator/compensators.hpp"
 #include "kvcompress/merger/gated_merge.hpp"
+#include "kvcompress/merger/ridge.hpp"
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/router/bucket_router.hpp"
 #include "kvcompress/scorer/scorers.hpp"
 #include "kvcompress/selector/top_k.hpp"
 
 namespace kvc {
+
+/// No compression: keeps every token unchanged (the reference run, "full").
+using FullCache = Pipeline<Position, KeepAll, NoRoute, Drop, NoCompensation>;
 
 /// StreamingLLM: 4 attention sinks + the most recent tokens. Needs no window attention.
 using StreamingLLM = Pipeline<Position, TopK<4, 0, 0>, NoRoute, Drop, NoCompensation>;
@@ -36,5 +40,14 @@ using SelKVMergeAll = Pipeline<ValueWeighted, TopK<0, 16, 5, Granularity::shared
 
 /// KNorm: keep low-norm keys (plus the recent window), per KV head.
 using KNorm = Pipeline<KeyNorm, TopK<0, 32, 0>, NoRoute, Drop, NoCompensation>;
+
+/// GRKV after SnapKV eviction (the paper's main setting): ridge re-fit of the kept values, then keys.
+using SnapKVGRKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, RidgeMerge, NoCompensation>;
+
+/// GRKV after SelKV's shared selection.
+using SelKVEvictGRKV = Pipeline<ValueWeighted, TopK<0, 16, 5, Granularity::shared>, NoRoute, RidgeMerge, NoCompensation>;
+
+/// GRKV after StreamingLLM eviction (sinks + recent).
+using StreamingLLMGRKV = Pipeline<Position, TopK<4, 0, 0>, NoRoute, RidgeMerge, NoCompensation>;
 
 }  // namespace kvc

@@ -1,0 +1,140 @@
+// Method registry shared by the demo, the kvcompress tool and the benchmarks: maps a method name and
+// command-line options one to one onto a preset and its Arguments.
+#pragma once
+
+#include <kvcompress/kvcompress.hpp>
+
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvc::cli {
+
+/// Options shared by all subcommands; unset ones keep the preset's defaults.
+struct MethodOptions {
+  std::optional<Index> pool, recent, sinks, bucket, steps;
+  std::optional<std::string> route, selection, pooling;
+  std::optional<double> alpha, lambda, beta, r_max;
+  std::optional<bool> safeguard, reposition;
+  double rope_theta = 10000.0;  // the model's RoPE base (used when repositioning)
+};
+
+using Compressor = std::function<LayerResult<float>(const LayerView<float>&, const Budget&)>;
+
+inline const std::vector<std::string>& method_names() {
+  static const std::vector<std::string> names = {"full",           "streaming", "snapkv", "selkv-evict", "selkv",
+                                                 "selkv-mergeall", "knorm",     "grkv",   "grkv-selkv",  "grkv-streaming"};
+  return names;
+}
+
+namespace detail {
+
+template <class A, class = void> struct has_pool : std::false_type {};
+template <class A> struct has_pool<A, std::void_t<decltype(A{}.selector.pool_kernel)>> : std::true_type {};
+template <class A, class = void> struct has_bucket : std::false_type {};
+template <class A> struct has_bucket<A, std::void_t<decltype(A{}.router.bucket)>> : std::true_type {};
+template <class A, class = void> struct has_alpha : std::false_type {};
+template <class A> struct has_alpha<A, std::void_t<decltype(A{}.compensator.alpha)>> : std::true_type {};
+template <class A, class = void> struct has_ridge : std::false_type {};
+template <class A> struct has_ridge<A, std::void_t<decltype(A{}.merger.lambda_v)>> : std::true_type {};
+
+[[noreturn]] inline void not_applicable(const std::string& option, const std::string& method) {
+  throw std::invalid_argument("option --" + option + " does not apply to method '" + method + "'");
+}
+
+template <class Args>
+void apply(Args& a, const MethodOptions& o, const std::string& method) {
+  if constexpr (has_pool<Args>::value) {
+    if (o.pool) {
+      a.selector.pool_kernel = *o.pool;
+      a.selector.pooling = *o.pool > 1 ? (a.selector.pooling == Pooling::none ? Pooling::average : a.selector.pooling)
+                                       : Pooling::none;
+    }
+    if (o.pooling) {
+      if (*o.pooling == "avg" || *o.pooling == "average") a.selector.pooling = Pooling::average;
+      else if (*o.pooling == "max") a.selector.pooling = Pooling::max;
+      else if (*o.pooling == "none") a.selector.pooling = Pooling::none;
+      else throw std::invalid_argument("--pooling must be avg, max or none, got '" + *o.pooling + "'");
+    }
+    if (o.recent) a.selector.recent = *o.recent;
+    if (o.sinks) a.selector.sinks = *o.sinks;
+    if (o.selection) {
+      if (*o.selection == "shared") a.selector.granularity = Granularity::shared;
+      else if (*o.selection == "per-head" || *o.selection == "per_head") a.selector.granularity = Granularity::per_head;
+      else throw std::invalid_argument("--selection must be shared or per-head, got '" + *o.selection + "'");
+    }
+  } else {
+    if (o.pool) not_applicable("pool", method);
+    if (o.pooling) not_applicable("pooling", method);
+    if (o.recent) not_applicable("recent", method);
+    if (o.sinks) not_applicable("sinks", method);
+    if (o.selection) not_applicable("selection", method);
+  }
+  if constexpr (has_bucket<Args>::value) {
+    if (o.bucket) a.router.bucket = *o.bucket;
+    if (o.route) {
+      if (*o.route == "key-cosine" || *o.route == "key_cosine") a.router.statistic = RouteStatistic::key_cosine;
+      else if (*o.route == "window-mass" || *o.route == "window_mass") a.router.statistic = RouteStatistic::window_mass;
+      else if (*o.route == "co-attention" || *o.route == "co_attention") a.router.statistic = RouteStatistic::co_attention;
+      else if (*o.route == "global") a.router.bucket = 0;
+      else throw std::invalid_argument("--route must be key-cosine, window-mass, co-attention or global, got '" + *o.route + "'");
+    }
+  } else {
+    if (o.bucket) not_applicable("bucket", method);
+    if (o.route) not_applicable("route", method);
+  }
+  if constexpr (has_alpha<Args>::value) {
+    if (o.alpha) a.compensator.alpha = *o.alpha;
+    if (o.r_max) a.compensator.r_max = *o.r_max;
+  } else {
+    if (o.alpha) not_applicable("alpha", method);
+    if (o.r_max) not_applicable("r-max", method);
+  }
+  if constexpr (has_ridge<Args>::value) {
+    if (o.lambda) a.merger.lambda_v = a.merger.lambda_k = *o.lambda;
+    if (o.beta) a.merger.beta = *o.beta;
+    if (o.steps) a.merger.steps = *o.steps;
+    if (o.safeguard) a.merger.safeguard = *o.safeguard;
+  } else {
+    if (o.lambda) not_applicable("lambda", method);
+    if (o.beta) not_applicable("beta", method);
+    if (o.steps) not_applicable("steps", method);
+    if (o.safeguard) not_applicable("safeguard", method);
+  }
+  if (o.reposition && *o.reposition) {
+    a.reposition.enabled = true;
+    a.reposition.theta = o.rope_theta;
+  }
+}
+
+template <class Preset>
+Compressor make(const MethodOptions& o, const std::string& method) {
+  typename Preset::Arguments args;
+  apply(args, o, method);
+  const Preset preset(args);
+  return [preset](const LayerView<float>& layer, const Budget& budget) { return preset.run(layer, budget); };
+}
+
+}  // namespace detail
+
+/// The compressor for a method name; throws std::invalid_argument naming the problem for an
+/// unknown method or an option that does not apply to it.
+inline Compressor make_method(const std::string& name, const MethodOptions& o = {}) {
+  if (name == "full") return detail::make<FullCache>(o, name);
+  if (name == "streaming") return detail::make<StreamingLLM>(o, name);
+  if (name == "snapkv") return detail::make<SnapKV>(o, name);
+  if (name == "selkv-evict") return detail::make<SelKVEvict>(o, name);
+  if (name == "selkv") return detail::make<SelKV>(o, name);
+  if (name == "selkv-mergeall") return detail::make<SelKVMergeAll>(o, name);
+  if (name == "knorm") return detail::make<KNorm>(o, name);
+  if (name == "grkv") return detail::make<SnapKVGRKV>(o, name);
+  if (name == "grkv-selkv") return detail::make<SelKVEvictGRKV>(o, name);
+  if (name == "grkv-streaming") return detail::make<StreamingLLMGRKV>(o, name);
+  std::string known;
+  for (const auto& n : method_names()) known += (known.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown method '" + name + "' (known: " + known + ")");
+}
+
+}  // namespace kvc::cli

@@ -1,0 +1,432 @@
+// The kvcompress tool's subcommands (generate, eval, compress), kept in a header so tests can call them.
+#pragma once
+
+#include "engine/eval.hpp"
+#include "engine/llama2.hpp"
+#include "engine/model_path.hpp"
+#include "engine/npy.hpp"
+#include "engine_bridge.hpp"
+#include "methods.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvc::cli {
+
+/// --key value / --flag arguments after the subcommand.
+class Args {
+ public:
+  Args(int argc, char** argv, int first) {
+    for (int i = first; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + a + "'");
+      a = a.substr(2);
+      const auto eq = a.find('=');
+      if (eq != std::string::npos) {
+        values_[a.substr(0, eq)] = a.substr(eq + 1);
+      } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
+        values_[a] = argv[++i];
+      } else {
+        values_[a] = "";
+      }
+    }
+  }
+  bool has(const std::string& k) const { return values_.count(k) > 0; }
+  std::string str(const std::string& k, const std::string& def = "") {
+    used_[k] = true;
+    return has(k) ? values_.at(k) : def;
+  }
+  double num(const std::string& k, double def) {
+    if (!has(k)) return def;
+    return parse_double(k, str(k));
+  }
+  Index integer(const std::string& k, Index def) {
+    if (!has(k)) return def;
+    return parse_int(k, str(k));
+  }
+  bool flag(const std::string& k) {
+    if (!has(k)) return false;
+    const std::string v = str(k);
+    if (v.empty() || v == "1" || v == "true" || v == "on") return true;
+    if (v == "0" || v == "false" || v == "off") return false;
+    throw std::invalid_argument("--" + k + " takes no value or on/off, got '" + v + "'");
+  }
+  /// Throws on any option that no subcommand code read (a typo must not pass silently).
+  void reject_unused() const {
+    for (const auto& [k, v] : values_)
+      if (!used_.count(k)) throw std::invalid_argument("unknown option --" + k);
+  }
+  static double parse_double(const std::string& k, const std::string& v) {
+    try {
+      std::size_t pos = 0;
+      const double x = std::stod(v, &pos);
+      if (pos == v.size()) return x;
+    } catch (const std::exception&) {
+    }
+    throw std::invalid_argument("--" + k + " expects a number, got '" + v + "'");
+  }
+  static Index parse_int(const std::string& k, const std::string& v) {
+    try {
+      std::size_t pos = 0;
+      const long long x = std::stoll(v, &pos);
+      if (pos == v.size()) return static_cast<Index>(x);
+    } catch (const std::exception&) {
+    }
+    throw std::invalid_argument("--" + k + " expects an integer, got '" + v + "'");
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+  mutable std::map<std::string, bool> used_;
+};
+
+inline std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+/// Method options from the command line, one to one onto the presets' Arguments.
+inline MethodOptions method_options(Args& a) {
+  MethodOptions o;
+  if (a.has("pool")) o.pool = a.integer("pool", 0);
+  if (a.has("pooling")) o.pooling = a.str("pooling");
+  if (a.has("recent")) o.recent = a.integer("recent", 0);
+  if (a.has("sinks")) o.sinks = a.integer("sinks", 0);
+  if (a.has("bucket")) o.bucket = a.integer("bucket", 0);
+  if (a.has("route")) o.route = a.str("route");
+  if (a.has("selection")) o.selection = a.str("selection");
+  if (a.has("alpha")) o.alpha = a.num("alpha", 0);
+  if (a.has("r-max")) o.r_max = a.num("r-max", 0);
+  if (a.has("lambda")) o.lambda = a.num("lambda", 0);
+  if (a.has("beta")) o.beta = a.num("beta", 0);
+  if (a.has("steps")) o.steps = a.integer("steps", 0);
+  if (a.has("safeguard")) o.safeguard = a.flag("safeguard");
+  if (a.has("reposition")) o.reposition = a.flag("reposition");
+  return o;
+}
+
+struct ModelFiles {
+  std::string model, tokenizer;
+};
+
+inline ModelFiles model_files(Args& a) {
+  ModelFiles f;
+  f.model = a.str("model");
+  f.tokenizer = a.str("tokenizer");
+  if (f.model.empty() || f.tokenizer.empty()) {
+    const auto dir = engine::find_model_dir();
+    if (!dir) throw std::runtime_error(engine::model_missing_message());
+    if (f.model.empty()) f.model = *dir + "/stories260K.bin";
+    if (f.tokenizer.empty()) f.tokenizer = *dir + "/tok512.bin";
+  }
+  return f;
+}
+
+inline Budget budget_from(Args& a) {
+  if (a.has("budget") && a.has("ratio")) throw std::invalid_argument("give either --ratio or --budget, not both");
+  if (a.has("budget")) return Budget::tokens(a.integer("budget", 0));
+  return Budget::ratio(a.num("ratio", 0.25));
+}
+
+// ---- generate -------------------------------------------------------------------------------------
+
+inline int cmd_generate(Args& a, std::ostream& out) {
+  const ModelFiles files = model_files(a);
+  const std::string prompt = a.str("prompt", "");
+  const std::string method = a.str("method", "selkv");
+  const Index steps = a.integer("max-tokens", 128);
+  const Index window = a.integer("window", 32);
+  const Budget budget = budget_from(a);
+  MethodOptions opts = method_options(a);
+  a.reject_unused();
+  const engine::Model model = engine::Model::load(files.model);
+  const engine::Tokenizer tok = engine::Tokenizer::load(files.tokenizer, model.config().vocab_size);
+  opts.rope_theta = 10000.0;
+  const engine::LayerCompressor fn = engine_compressor(make_method(method, opts), budget);
+
+  const std::vector<int> prompt_tokens = tok.encode(prompt, true);
+  auto run = [&](const engine::LayerCompressor* compress) {
+    engine::Session s(model);
+    std::vector<float> logits = s.prefill(prompt_tokens, window);
+    if (compress) s.compress(*compress);
+    std::vector<int> toks;
+    for (Index t = 0; t < steps && s.position() < model.config().seq_len; ++t) {
+      const int next = engine::argmax(logits);
+      toks.push_back(next);
+      if (s.position() >= model.config().seq_len) break;
+      logits = s.forward(next);
+    }
+    return toks;
+  };
+  const std::vector<int> full = run(nullptr);
+  const std::vector<int> comp = run(&fn);
+  auto text = [&](const std::vector<int>& toks) {
+    std::string s;
+    int prev = prompt_tokens.back();
+    for (int t : toks) {
+      s += tok.decode(prev, t);
+      prev = t;
+    }
+    return s;
+  };
+  std::size_t diverge = 0;
+  while (diverge < full.size() && diverge < comp.size() && full[diverge] == comp[diverge]) ++diverge;
+  out << "prompt      : " << prompt << "\n";
+  out << "full cache  : " << text(full) << "\n";
+  out << method << " @ " << (budget.is_ratio() ? budget.rho() : double(budget.absolute())) << " : " << text(comp)
+      << "\n";
+  if (diverge == full.size() && full.size() == comp.size())
+    out << "identical over " << full.size() << " tokens\n";
+  else
+    out << "first divergence at generated token " << diverge << " of " << full.size() << "\n";
+  return 0;
+}
+
+// ---- eval -----------------------------------------------------------------------------------------
+
+struct EvalRow {
+  std::string method;
+  double ratio = 0;
+  engine::Interval kl, top1, dnll, werr;
+  engine::Interval kl_vs_snapkv;  // paired KL difference (this − snapkv), when has_pair
+  bool has_pair = false;
+  double seconds = 0;
+};
+
+inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vector<std::vector<int>>& seqs,
+                                     const engine::EvalConfig& config, const std::vector<std::string>& methods,
+                                     const std::vector<double>& ratios, const MethodOptions& opts,
+                                     std::uint64_t seed, bool progress) {
+  engine::TeacherForcedEval ev(model, seqs, config);
+  const int layers = model.config().n_layers;
+  std::vector<EvalRow> rows;
+  std::vector<engine::EvalResult> results;  // parallel to rows
+  const std::size_t total = methods.size() * ratios.size();
+  std::size_t done = 0;
+  for (double ratio : ratios) {
+    for (const auto& method : methods) {
+      const Compressor comp = make_method(method, opts);
+      // Per sequence: mean over layers of the window attention-output error.
+      std::vector<double> werr;
+      int calls = 0;
+      double acc = 0;
+      const Budget budget = Budget::ratio(ratio);
+      engine::LayerCompressor fn = [&](const engine::LayerInput& in) {
+        const LayerView<float> layer = view_of(in);
+        const LayerResult<float> r = comp(layer, budget);
+        acc += window_output_error(layer, r);
+        if (++calls == layers) {
+          werr.push_back(acc / layers);
+          calls = 0;
+          acc = 0;
+        }
+        return to_engine(r);
+      };
+      const auto t0 = std::chrono::steady_clock::now();
+      const engine::EvalResult res = ev.evaluate(fn);
+      EvalRow row;
+      row.method = method;
+      row.ratio = ratio;
+      row.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      row.kl = engine::bootstrap_mean(res.values(engine::Metric::kKl), seed);
+      row.top1 = engine::bootstrap_mean(res.values(engine::Metric::kTop1), seed);
+      row.dnll = engine::bootstrap_mean(res.values(engine::Metric::kDeltaNll), seed);
+      row.werr = engine::bootstrap_mean(werr, seed);
+      rows.push_back(row);
+      results.push_back(res);
+      ++done;
+      if (progress) {
+        const int width = 30;
+        const int filled = static_cast<int>(width * done / total);
+        std::fprintf(stderr, "\r[%s%s] %zu/%zu %s @ %.2f   ", std::string(filled, '#').c_str(),
+                     std::string(width - filled, '.').c_str(), done, total, method.c_str(), ratio);
+        if (done == total) std::fprintf(stderr, "\n");
+      }
+    }
+  }
+  // Paired KL differences against SnapKV at the same ratio (same sequences, same order).
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    for (std::size_t j = 0; j < rows.size(); ++j)
+      if (rows[j].method == "snapkv" && rows[j].ratio == rows[i].ratio && i != j) {
+        rows[i].kl_vs_snapkv = engine::bootstrap_paired_difference(results[i].values(engine::Metric::kKl),
+                                                                   results[j].values(engine::Metric::kKl), seed);
+        rows[i].has_pair = true;
+      }
+  return rows;
+}
+
+inline void print_table(const std::vector<EvalRow>& rows, std::ostream& out) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%-15s %5s  %-26s %-22s %-26s %-22s %-26s\n", "method", "ratio",
+                "KL(full||comp) [95% CI]", "top-1 [95% CI]", "dNLL [95% CI]", "window err", "KL - snapkv [95% CI]");
+  out << buf;
+  for (const auto& r : rows) {
+    char pair[64] = "-";
+    if (r.has_pair) std::snprintf(pair, sizeof pair, "%+.4f [%+.4f,%+.4f]", r.kl_vs_snapkv.mean, r.kl_vs_snapkv.lo, r.kl_vs_snapkv.hi);
+    std::snprintf(buf, sizeof buf, "%-15s %5.2f  %.4f [%.4f,%.4f]   %.3f [%.3f,%.3f]    %+.4f [%+.4f,%+.4f] %.3f [%.3f,%.3f]  %s\n",
+                  r.method.c_str(), r.ratio, r.kl.mean, r.kl.lo, r.kl.hi, r.top1.mean, r.top1.lo, r.top1.hi,
+                  r.dnll.mean, r.dnll.lo, r.dnll.hi, r.werr.mean, r.werr.lo, r.werr.hi, pair);
+    out << buf;
+  }
+}
+
+inline void print_json(const std::vector<EvalRow>& rows, std::ostream& out) {
+  auto iv = [](const engine::Interval& i) {
+    char b[160];
+    std::snprintf(b, sizeof b, "{\"mean\": %.8g, \"lo\": %.8g, \"hi\": %.8g}", i.mean, i.lo, i.hi);
+    return std::string(b);
+  };
+  out << "[\n";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& r = rows[i];
+    out << "  {\"method\": \"" << r.method << "\", \"ratio\": " << r.ratio << ", \"kl\": " << iv(r.kl)
+        << ", \"top1\": " << iv(r.top1) << ", \"delta_nll\": " << iv(r.dnll) << ", \"window_error\": " << iv(r.werr);
+    if (r.has_pair) out << ", \"kl_minus_snapkv\": " << iv(r.kl_vs_snapkv);
+    out << ", \"seconds\": " << r.seconds << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+  }
+  out << "]\n";
+}
+
+inline void print_csv(const std::vector<EvalRow>& rows, std::ostream& out) {
+  out << "method,ratio,kl,kl_lo,kl_hi,top1,top1_lo,top1_hi,delta_nll,delta_nll_lo,delta_nll_hi,window_error,"
+         "window_error_lo,window_error_hi,kl_minus_snapkv,kl_minus_snapkv_lo,kl_minus_snapkv_hi\n";
+  for (const auto& r : rows) {
+    out << r.method << "," << r.ratio;
+    for (const auto* i : {&r.kl, &r.top1, &r.dnll, &r.werr}) out << "," << i->mean << "," << i->lo << "," << i->hi;
+    if (r.has_pair)
+      out << "," << r.kl_vs_snapkv.mean << "," << r.kl_vs_snapkv.lo << "," << r.kl_vs_snapkv.hi << "\n";
+    else
+      out << ",,,\n";
+  }
+}
+
+inline int cmd_eval(Args& a, std::ostream& out) {
+  const ModelFiles files = model_files(a);
+  const std::string tokens_path = a.str("tokens", "");
+  const Index samples = a.integer("samples", engine::ProtocolDefaults::kNumSequences);
+  const std::uint64_t seed = static_cast<std::uint64_t>(a.integer("seed", 1));
+  const Index length = a.integer("length", engine::ProtocolDefaults::kSequenceLength);
+  engine::EvalConfig config;
+  config.prefix = a.integer("prefix", engine::ProtocolDefaults::kPrefix);
+  config.window = a.integer("window", engine::ProtocolDefaults::kWindow);
+  const std::vector<std::string> methods = split(a.str("methods", "streaming,snapkv,selkv-evict,selkv,grkv"));
+  std::vector<double> ratios;
+  for (const auto& r : split(a.str("ratios", "0.1,0.25,0.5"))) ratios.push_back(Args::parse_double("ratios", r));
+  const bool json = a.flag("json"), csv = a.flag("csv"), quiet = a.flag("quiet");
+  const MethodOptions opts = method_options(a);
+  a.reject_unused();
+  for (const auto& m : methods) make_method(m, opts);  // fail fast on a bad name or option
+
+  const engine::Model model = engine::Model::load(files.model);
+  std::vector<std::vector<int>> seqs;
+  if (!tokens_path.empty()) {
+    const engine::NpyArray arr = engine::read_npy(tokens_path);
+    if (arr.shape.size() != 2 || arr.is_float())
+      throw std::invalid_argument(tokens_path + ": --tokens needs an integer array of shape [N][P+C]");
+    for (std::int64_t s = 0; s < arr.shape[0]; ++s)
+      seqs.emplace_back(arr.i.begin() + s * arr.shape[1], arr.i.begin() + (s + 1) * arr.shape[1]);
+  } else {
+    seqs = engine::sample_sequences(model, static_cast<int>(samples), static_cast<int>(length), seed);
+  }
+  const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet);
+  if (json) print_json(rows, out);
+  else if (csv) print_csv(rows, out);
+  else {
+    out << seqs.size() << " sequences of " << seqs[0].size() << " tokens, prefix " << config.prefix << " compressed per layer, window "
+        << config.window << "; means over sequences with bootstrap 95% intervals\n";
+    print_table(rows, out);
+  }
+  return 0;
+}
+
+// ---- compress -------------------------------------------------------------------------------------
+
+inline int cmd_compress(Args& a, std::ostream& out) {
+  const std::string kp = a.str("keys"), vp = a.str("values"), qp = a.str("queries"), dir = a.str("out");
+  const std::string method = a.str("method", "selkv");
+  if (kp.empty() || vp.empty() || qp.empty() || dir.empty())
+    throw std::invalid_argument("compress needs --keys, --values, --queries and --out");
+  const Budget budget = budget_from(a);
+  const MethodOptions opts = method_options(a);
+  a.reject_unused();
+  const engine::NpyArray K = engine::read_npy(kp), V = engine::read_npy(vp), Q = engine::read_npy(qp);
+  auto check = [](const engine::NpyArray& arr, const std::string& path, const char* name) {
+    if (!arr.is_float() || arr.shape.size() != 3)
+      throw std::invalid_argument(path + ": " + name + " must be a float32 or float16 array of rank 3");
+  };
+  check(K, kp, "keys");
+  check(V, vp, "values");
+  check(Q, qp, "queries");
+  LayerView<float> layer{make_head_major<const float>(K.f.data(), K.shape[0], K.shape[1], K.shape[2]),
+                         make_head_major<const float>(V.f.data(), V.shape[0], V.shape[1], V.shape[2]),
+                         make_head_major<const float>(Q.f.data(), Q.shape[0], Q.shape[1], Q.shape[2])};
+  const LayerResult<float> r = make_method(method, opts)(layer, budget);
+  const engine::CompressedLayer c = to_engine(r);
+  const std::int64_t H = static_cast<std::int64_t>(r.heads.size()), m = c.m, d = K.shape[2];
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(H * m));
+  for (std::int64_t g = 0; g < H; ++g)
+    for (std::int64_t i = 0; i < m; ++i) pos[g * m + i] = static_cast<std::int32_t>(r.heads[g].positions[i]);
+  std::filesystem::create_directories(dir);
+  engine::write_npy(dir + "/positions.npy", {H, m}, pos.data());
+  engine::write_npy(dir + "/keys.npy", {H, m, d}, c.keys.data());
+  engine::write_npy(dir + "/values.npy", {H, m, d}, c.values.data());
+  engine::write_npy(dir + "/bias.npy", {H, m}, c.bias.data());
+  out << "kept " << m << " of " << K.shape[1] << " tokens per head; next position " << r.next_position << "; wrote "
+      << dir << "/{positions,keys,values,bias}.npy\n";
+  return 0;
+}
+
+inline const char* usage() {
+  return "usage: kvcompress <generate|eval|compress> [options]\n"
+         "  generate --prompt TEXT --method M (--ratio R | --budget M) [--max-tokens 128] [--window 32]\n"
+         "  eval     [--tokens F.npy | --samples 24 --seed 1 --length 512] --prefix 384 --methods a,b --ratios r1,r2\n"
+         "           [--window 32] [--json | --csv] [--quiet]\n"
+         "  compress --keys K.npy --values V.npy --queries Q.npy --method M (--ratio R | --budget M) --out DIR\n"
+         "common: --model FILE --tokenizer FILE (default: $KVC_MODEL_DIR, ./models, ../shared/models)\n"
+         "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
+         "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
+         "  --lambda --beta --steps --safeguard --reposition\n"
+         "methods: full streaming snapkv selkv-evict selkv selkv-mergeall knorm grkv grkv-selkv grkv-streaming\n";
+}
+
+/// Runs one subcommand; returns the exit code (2 for usage errors, 1 for failures).
+inline int run_command(int argc, char** argv, std::ostream& out, std::ostream& err) {
+  if (argc < 2) {
+    err << usage();
+    return 2;
+  }
+  const std::string cmd = argv[1];
+  try {
+    Args a(argc, argv, 2);
+    if (cmd == "generate") return cmd_generate(a, out);
+    if (cmd == "eval") return cmd_eval(a, out);
+    if (cmd == "compress") return cmd_compress(a, out);
+    if (cmd == "--help" || cmd == "help" || cmd == "-h") {
+      out << usage();
+      return 0;
+    }
+    err << "unknown subcommand '" << cmd << "'\n" << usage();
+    return 2;
+  } catch (const std::invalid_argument& e) {
+    err << "kvcompress " << cmd << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    err << "kvcompress " << cmd << ": " << e.what() << "\n";
+    return 1;
+  }
+}
+
+inline int main_entry(int argc, char** argv) { return run_command(argc, argv, std::cout, std::cerr); }
+
+}  // namespace kvc::cli

@@ -1,0 +1,48 @@
+// Connects the example engine's compression hook to the library: an engine layer becomes a zero-copy
+// kvc::LayerView, the library's LayerResult becomes the engine's CompressedLayer.
+#pragma once
+
+#include "engine/llama2.hpp"
+#include "methods.hpp"
+
+#include <stdexcept>
+
+namespace kvc::cli {
+
+/// Zero-copy view of one engine layer: keys/values [Hkv][capacity][d] (first n rows used),
+/// queries [Hq][W][d].
+inline LayerView<float> view_of(const engine::LayerInput& in) {
+  LayerView<float> layer;
+  layer.keys = {in.keys, in.Hkv, in.n, in.d, in.head_stride, in.d};
+  layer.values = {in.values, in.Hkv, in.n, in.d, in.head_stride, in.d};
+  layer.queries = make_head_major<const float>(in.queries, in.Hq, in.W, in.d);
+  return layer;
+}
+
+/// Library result → engine layer ([Hkv][m][d] keys and values, [Hkv][m] bias). All heads must keep
+/// the same number of entries (uniform budgets), since the engine has one length per layer.
+inline engine::CompressedLayer to_engine(const LayerResult<float>& r) {
+  engine::CompressedLayer out;
+  const Index H = static_cast<Index>(r.heads.size());
+  const Index m = r.max_size();
+  const Index d = H > 0 ? r.heads[0].keys.cols() : 0;
+  for (const auto& h : r.heads)
+    if (h.size() != m) throw std::runtime_error("engine needs the same number of kept entries in every KV head");
+  out.m = m;
+  out.next_position = r.next_position;
+  out.keys.resize(static_cast<std::size_t>(H * m * d));
+  out.values.resize(out.keys.size());
+  out.bias.resize(static_cast<std::size_t>(H * m));
+  compact_into(r, make_head_major(out.keys.data(), H, m, d), make_head_major(out.values.data(), H, m, d));
+  compact_bias_into(r, out.bias.data(), m, m);
+  return out;
+}
+
+/// An engine compression hook running `method` at `budget` on every layer.
+inline engine::LayerCompressor engine_compressor(Compressor method, Budget budget) {
+  return [method = std::move(method), budget](const engine::LayerInput& in) {
+    return to_engine(method(view_of(in), budget));
+  };
+}
+
+}  // namespace kvc::cli

@@ -1,0 +1,146 @@
+// The kvcompress tool's `compress` subcommand: .npy round trip equals the library called directly;
+// bad files and options are rejected with clear messages. Needs no model.
+#include <catch2/catch.hpp>
+
+#include "cli_commands.hpp"
+#include "support/random.hpp"
+
+#include <filesystem>
+#include <unistd.h>
+#include <fstream>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("kvc_cli_test_" + std::to_string(::getpid()) + "_" +
+                                        std::to_string(reinterpret_cast<std::uintptr_t>(this)));
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string operator/(const std::string& f) const { return (path / f).string(); }
+};
+
+int run(std::vector<std::string> args, std::string& out, std::string& err) {
+  args.insert(args.begin(), "kvcompress");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  std::ostringstream o, e;
+  const int rc = kvc::cli::run_command(static_cast<int>(argv.size()), argv.data(), o, e);
+  out = o.str();
+  err = e.str();
+  return rc;
+}
+
+std::vector<float> random_floats(std::size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> N;
+  std::vector<float> v(n);
+  for (auto& x : v) x = N(rng);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("compress round-trips through .npy and matches the library", "[cli][npy]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(77);
+  const std::int64_t H = 2, Hq = 4, n = 96, d = 8, W = 16;
+  const auto K = random_floats(H * n * d, rng), V = random_floats(H * n * d, rng), Q = random_floats(Hq * W * d, rng);
+  TempDir tmp;
+  kvc::engine::write_npy(tmp / "K.npy", {H, n, d}, K.data());
+  kvc::engine::write_npy(tmp / "V.npy", {H, n, d}, V.data());
+  kvc::engine::write_npy(tmp / "Q.npy", {Hq, W, d}, Q.data());
+
+  for (const std::string method : {"selkv", "snapkv", "grkv", "streaming"}) {
+    INFO(method);
+    std::string out, err;
+    REQUIRE(run({"compress", "--keys", tmp / "K.npy", "--values", tmp / "V.npy", "--queries", tmp / "Q.npy",
+                 "--method", method, "--budget", "24", "--out", tmp / method},
+                out, err) == 0);
+    CHECK(err.empty());
+    const auto pos = kvc::engine::read_npy(tmp / (method + "/positions.npy"));
+    const auto keys = kvc::engine::read_npy(tmp / (method + "/keys.npy"));
+    const auto values = kvc::engine::read_npy(tmp / (method + "/values.npy"));
+    const auto bias = kvc::engine::read_npy(tmp / (method + "/bias.npy"));
+    CHECK(pos.shape == std::vector<std::int64_t>{H, 24});
+    CHECK(keys.shape == std::vector<std::int64_t>{H, 24, d});
+    CHECK(values.shape == std::vector<std::int64_t>{H, 24, d});
+    CHECK(bias.shape == std::vector<std::int64_t>{H, 24});
+
+    const kvc::LayerView<float> layer{kvc::make_head_major<const float>(K.data(), H, n, d),
+                                      kvc::make_head_major<const float>(V.data(), H, n, d),
+                                      kvc::make_head_major<const float>(Q.data(), Hq, W, d)};
+    const auto direct = kvc::cli::make_method(method)(layer, kvc::Budget::tokens(24));
+    for (std::int64_t g = 0; g < H; ++g)
+      for (std::int64_t i = 0; i < 24; ++i) {
+        CHECK(pos.i[g * 24 + i] == direct.heads[g].positions[i]);
+        CHECK(bias.f[g * 24 + i] == direct.heads[g].bias[i]);
+        for (std::int64_t c = 0; c < d; ++c) {
+          CHECK(keys.f[(g * 24 + i) * d + c] == direct.heads[g].keys(i, c));
+          CHECK(values.f[(g * 24 + i) * d + c] == direct.heads[g].values(i, c));
+        }
+      }
+  }
+}
+
+TEST_CASE("compress accepts float16 .npy inputs", "[cli][npy]") {
+  auto rng = kvc::test::make_rng(78);
+  const std::int64_t H = 1, Hq = 2, n = 40, d = 4, W = 8;
+  auto K = random_floats(H * n * d, rng), V = random_floats(H * n * d, rng), Q = random_floats(Hq * W * d, rng);
+  TempDir tmp;
+  kvc::engine::write_npy_f16(tmp / "K.npy", {H, n, d}, K.data());
+  kvc::engine::write_npy_f16(tmp / "V.npy", {H, n, d}, V.data());
+  kvc::engine::write_npy_f16(tmp / "Q.npy", {Hq, W, d}, Q.data());
+  std::string out, err;
+  REQUIRE(run({"compress", "--keys", tmp / "K.npy", "--values", tmp / "V.npy", "--queries", tmp / "Q.npy",
+               "--method", "snapkv", "--ratio", "0.5", "--out", tmp / "o"},
+              out, err) == 0);
+  const auto keys = kvc::engine::read_npy(tmp / "o/keys.npy");
+  CHECK(keys.shape == std::vector<std::int64_t>{H, 20, d});
+  // The kept keys are the half-rounded inputs, exactly.
+  const auto pos = kvc::engine::read_npy(tmp / "o/positions.npy");
+  for (std::int64_t i = 0; i < 20; ++i)
+    for (std::int64_t c = 0; c < d; ++c)
+      CHECK(keys.f[i * d + c] == static_cast<float>(Eigen::half(K[pos.i[i] * d + c])));
+}
+
+TEST_CASE("the tool rejects bad input with a message and a non-zero exit code", "[cli][errors]") {
+  auto rng = kvc::test::make_rng(79);
+  const std::int64_t H = 2, n = 16, d = 4;
+  const auto K = random_floats(H * n * d, rng);
+  TempDir tmp;
+  kvc::engine::write_npy(tmp / "K.npy", {H, n, d}, K.data());
+  kvc::engine::write_npy(tmp / "Q3.npy", {3, 4, d}, K.data());
+  std::vector<std::int32_t> ints(H * n * d, 1);
+  kvc::engine::write_npy(tmp / "I.npy", {H, n, d}, ints.data());
+  { std::ofstream(tmp / "bad.npy") << "not an npy file at all"; }
+  std::string out, err;
+  auto compress = [&](const std::string& k, const std::string& q, std::vector<std::string> extra) {
+    std::vector<std::string> a = {"compress", "--keys", k, "--values", tmp / "K.npy", "--queries", q, "--out", tmp / "o"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run(a, out, err);
+  };
+  CHECK(compress(tmp / "bad.npy", tmp / "K.npy", {"--method", "snapkv"}) != 0);
+  CHECK_THAT(err, Catch::Contains("bad.npy"));
+  CHECK(compress(tmp / "I.npy", tmp / "K.npy", {"--method", "snapkv"}) != 0);
+  CHECK_THAT(err, Catch::Contains("float32 or float16"));
+  CHECK(compress(tmp / "K.npy", tmp / "Q3.npy", {"--method", "snapkv"}) != 0);
+  CHECK_THAT(err, Catch::Contains("multiple of KV heads"));
+  CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "nosuch"}) == 2);
+  CHECK_THAT(err, Catch::Contains("unknown method 'nosuch'"));
+  CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--alpha", "0.3"}) == 2);
+  CHECK_THAT(err, Catch::Contains("--alpha does not apply to method 'snapkv'"));
+  CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--ratoi", "0.3"}) == 2);
+  CHECK_THAT(err, Catch::Contains("unknown option --ratoi"));
+  CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--ratio", "abc"}) == 2);
+  CHECK_THAT(err, Catch::Contains("expects a number"));
+  CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--budget", "0"}) == 2);
+  CHECK_THAT(err, Catch::Contains("budget"));
+  CHECK_FALSE(fs::exists(tmp / "o/keys.npy"));
+  CHECK(run({"frobnicate"}, out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("unknown subcommand"));
+}

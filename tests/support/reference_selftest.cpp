@@ -1,5 +1,6 @@
 // tests/support/reference_selftest.cpp — checks kvc::ref itself against answers derived by hand.
-#define CATCH_CONFIG_MAIN
+// Linked with the shared Catch2 main (support/catch_main.cpp, as tests/CMakeLists.txt does); standalone:
+//   g++ -std=c++17 -I/usr/include/eigen3 -Itests tests/support/reference_selftest.cpp tests/support/catch_main.cpp
 #include <catch2/catch.hpp>
 
 #include "support/random.hpp"

@@ -1,0 +1,542 @@
+// The whole pipeline and its presets (SPEC §2–§8, §11) against the reference chain
+// ref::window_probs → window_mass → scores → select → route → merge → bias, plus budgets, the m >= n
+// identity, memory layouts, half / bfloat16 inputs, compact_into, window_output_error and diagnostics.
+#include <catch2/catch.hpp>
+
+#include "support/bridge.hpp"
+#include "support/random.hpp"
+#include "support/reference.hpp"
+#include "support/tolerances.hpp"
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace kvc;
+using kvc::test::kTol;
+using kvc::test::Layout;
+
+namespace {
+
+// ---- the reference chain ------------------------------------------------------------------------
+
+enum ScoreKind { kMass, kValueWeighted, kKeyNorm, kPosition };
+enum CompKind { kNoComp, kRatio, kCount };
+
+/// One method as the reference sees it (the preset defaults of presets.hpp, written out by hand).
+struct RefSpec {
+  ScoreKind scorer;
+  long sinks, recent, pool;
+  bool shared;
+  bool routed = false;
+  int stat = ref::RouteKeyCosine;
+  long bucket = 32;
+  int merge = ref::MergeDrop;
+  CompKind comp = kNoComp;
+  double alpha = 0.5, r_max = 0.0;
+  double scale = 0.0, softcap = 0.0;  // scale 0: 1/sqrt(d)
+};
+
+const RefSpec kStreamingLLM{kPosition, 4, 0, 0, false};
+const RefSpec kSnapKV{kMass, 0, 32, 5, false};
+const RefSpec kSelKVEvict{kValueWeighted, 0, 16, 5, true};
+const RefSpec kSelKV{kValueWeighted, 0, 16, 5, true, true, ref::RouteKeyCosine, 32, ref::MergeSoftGate, kRatio};
+const RefSpec kSelKVMergeAll{kValueWeighted, 0, 16, 5, true, true, ref::RouteKeyCosine, 32, ref::MergeAll, kRatio};
+const RefSpec kKNorm{kKeyNorm, 0, 32, 0, false};
+
+struct RefResult {
+  std::vector<ref::CompressedHead> heads;
+  std::vector<std::vector<double>> gates;  // per head, at the evicted positions (ascending)
+};
+
+std::vector<long> complement(const std::vector<long>& kept, long n) {
+  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
+  for (long i : kept) is_kept[static_cast<std::size_t>(i)] = 1;
+  std::vector<long> out;
+  for (long j = 0; j < n; ++j)
+    if (!is_kept[static_cast<std::size_t>(j)]) out.push_back(j);
+  return out;
+}
+
+/// m: per-head budgets, already clamped to n.
+RefResult ref_run(const ref::Tensor3& K, const ref::Tensor3& V, const ref::Tensor3& Q, const std::vector<long>& m,
+                  const RefSpec& s) {
+  const long Hkv = K.H, n = K.n, G = Q.H / K.H;
+  const double scale = s.scale > 0.0 ? s.scale : 1.0 / std::sqrt(double(K.d));
+  const auto probs = ref::window_probs(Q, K, scale, s.softcap);
+  const Eigen::MatrixXd a = ref::window_mass(probs, Hkv);
+  const Eigen::MatrixXd scores = s.scorer == kMass            ? ref::attention_mass(a)
+                                 : s.scorer == kValueWeighted ? ref::value_weighted(a, V)
+                                 : s.scorer == kKeyNorm       ? ref::key_norm(K)
+                                                              : ref::position(Hkv, n);
+  const auto kept = ref::select(scores, m, s.sinks, s.recent, s.pool, false, s.shared);
+  RefResult out;
+  std::vector<std::vector<double>> biases;
+  for (long g = 0; g < Hkv; ++g) {
+    const auto& kg = kept[static_cast<std::size_t>(g)];
+    std::vector<long> route(static_cast<std::size_t>(n), kg[0]);
+    if (s.routed) route = ref::route(g, kg, n, s.stat, s.bucket, K, a, probs, G);
+    const ref::Merged mg = ref::merge(g, kg, route, K, V, a, s.routed ? s.merge : ref::MergeDrop);
+    std::vector<double> bias(kg.size(), 0.0);
+    if (s.routed && s.comp == kRatio) bias = ref::bias_attention_ratio(g, kg, route, mg.gate, a, s.alpha, s.r_max);
+    if (s.routed && s.comp == kCount) bias = ref::bias_merge_count(kg, route, mg.gate);
+    biases.push_back(bias);
+    std::vector<double> gates;
+    for (long j : complement(kg, n)) gates.push_back(mg.gate[static_cast<std::size_t>(j)]);
+    out.gates.push_back(gates);
+    out.heads.push_back({kg, mg.keys, mg.values, bias});
+  }
+  if (s.shared && Hkv > 1) {
+    const auto mean = ref::shared_bias(biases);
+    for (auto& h : out.heads) h.bias = mean;
+  }
+  return out;
+}
+
+// ---- library results as reference types --------------------------------------------------------
+
+template <class Real>
+std::vector<ref::CompressedHead> as_ref(const LayerResult<Real>& r) {
+  std::vector<ref::CompressedHead> out;
+  for (const auto& h : r.heads)
+    out.push_back({kvc::test::to_long(h.positions), h.keys.template cast<double>(), h.values.template cast<double>(),
+                   kvc::test::to_std(h.bias)});
+  return out;
+}
+
+/// Full comparison of a library result with the reference chain: positions exactly, keys exactly (no
+/// preset changes keys; the reference keys are the stored inputs), values and bias within `tol`.
+template <class Real>
+void check_result(const LayerResult<Real>& got, const RefResult& want, const kvc::test::PrecisionTols& tol) {
+  REQUIRE(got.heads.size() == want.heads.size());
+  for (std::size_t g = 0; g < want.heads.size(); ++g) {
+    INFO("head " << g);
+    const auto& h = got.heads[g];
+    const auto& w = want.heads[g];
+    REQUIRE(kvc::test::to_long(h.positions) == w.positions);
+    REQUIRE(h.keys.rows() == w.keys.rows());
+    REQUIRE(h.values.rows() == w.values.rows());
+    CHECK(h.keys.template cast<double>() == w.keys);
+    const Eigen::MatrixXd hv = h.values.template cast<double>();
+    INFO("values: elementwise ratio " << kvc::test::elementwise_ratio(hv, w.values, tol.values) << ", normwise "
+                                      << kvc::test::normwise_error(hv, w.values));
+    CHECK(kvc::test::within(hv, w.values, tol.values));
+    CHECK(kvc::test::within(kvc::test::to_std(h.bias), w.bias, tol.bias));
+  }
+}
+
+struct Data {
+  long Hkv = 2, Hq = 4, n = 100, d = 16, W = 8;
+  std::mt19937_64 rng;
+  ref::Tensor3 K, V, Q;
+  explicit Data(std::uint64_t stream, long n_ = 100) : n(n_), rng(kvc::test::make_rng(stream)) {
+    K = kvc::test::random_tensor(rng, Hkv, n, d);
+    V = kvc::test::random_tensor(rng, Hkv, n, d);
+    Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
+  }
+};
+
+struct BudgetCase {
+  Budget budget;
+  long m;  // floor(ρ·n) or the absolute count, worked out by hand for n = 100
+};
+const std::vector<BudgetCase> kBudgets = {{Budget::ratio(0.5), 50}, {Budget::ratio(0.3), 30}, {Budget::ratio(0.01), 1},
+                                          {Budget::tokens(41), 41}, {Budget::tokens(3), 3}};
+
+template <class Preset, class T>
+void check_preset(const char* name, const RefSpec& spec, const Data& f, Layout layout,
+                  const kvc::test::PrecisionTols& tol, typename Preset::Arguments args = {}) {
+  kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, layout);
+  const LayerView<T> layer = b.view();
+  const ref::Tensor3 K = b.keys.rounded(), V = b.values.rounded(), Q = b.queries.rounded();
+  for (const BudgetCase& bc : kBudgets) {
+    INFO(name << " " << kvc::test::to_string(layout) << " m " << bc.m);
+    const auto got = Preset(args).run(layer, bc.budget);
+    const RefResult want = ref_run(K, V, Q, std::vector<long>(static_cast<std::size_t>(f.Hkv), bc.m), spec);
+    check_result(got, want, tol);
+    CHECK(got.next_position == f.n);
+    CHECK(got.shared_positions == spec.shared);
+    for (std::size_t g = 0; g < got.heads.size(); ++g) {
+      const auto& h = got.heads[g];
+      const auto& dg = h.diagnostics;
+      INFO("head " << g);
+      CHECK(h.size() == bc.m);  // kept count == budget
+      CHECK(dg.kept == bc.m);
+      CHECK(dg.evicted == f.n - bc.m);
+      CHECK(dg.merged + dg.dropped == dg.evicted);
+      CHECK(dg.gate_mean >= 0.0);
+      CHECK(dg.gate_mean <= 1.0);
+      // Against the reference gates: merged = gates > 0, gate_mean = their mean.
+      const auto& gates = want.gates[g];
+      long merged = 0;
+      double sum = 0.0;
+      for (double x : gates) {
+        merged += x > 0.0 ? 1 : 0;
+        sum += x;
+      }
+      CHECK(dg.merged == merged);
+      CHECK(kvc::test::within(dg.gate_mean, sum / double(gates.size()), kTol.float_vs_double.values));
+      if (spec.merge == ref::MergeAll) CHECK(dg.merged == dg.evicted);
+      if (!spec.routed) CHECK(dg.merged == 0);
+    }
+  }
+}
+
+template <class T>
+void check_all_presets(const Data& f, Layout layout, const kvc::test::PrecisionTols& tol) {
+  check_preset<StreamingLLM, T>("StreamingLLM", kStreamingLLM, f, layout, tol);
+  check_preset<SnapKV, T>("SnapKV", kSnapKV, f, layout, tol);
+  check_preset<SelKVEvict, T>("SelKVEvict", kSelKVEvict, f, layout, tol);
+  check_preset<SelKV, T>("SelKV", kSelKV, f, layout, tol);
+  check_preset<SelKVMergeAll, T>("SelKVMergeAll", kSelKVMergeAll, f, layout, tol);
+  check_preset<KNorm, T>("KNorm", kKNorm, f, layout, tol);
+}
+
+/// Every field of two results is bit-identical.
+template <class Real>
+void check_identical(const LayerResult<Real>& x, const LayerResult<Real>& y) {
+  REQUIRE(x.heads.size() == y.heads.size());
+  CHECK(x.next_position == y.next_position);
+  for (std::size_t g = 0; g < x.heads.size(); ++g) {
+    INFO("head " << g);
+    CHECK(x.heads[g].positions == y.heads[g].positions);
+    CHECK(x.heads[g].keys == y.heads[g].keys);
+    CHECK(x.heads[g].values == y.heads[g].values);
+    CHECK(x.heads[g].bias == y.heads[g].bias);
+    CHECK(x.heads[g].diagnostics.merged == y.heads[g].diagnostics.merged);
+    CHECK(x.heads[g].diagnostics.gate_mean == y.heads[g].diagnostics.gate_mean);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every preset matches the reference chain (budgets, diagnostics)", "[pipeline][presets]", float,
+                   double) {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(401);
+  check_all_presets<TestType>(f, Layout::head_major, kTol.float_vs_double);
+}
+
+TEST_CASE("presets on half and bfloat16 inputs match the reference on the stored values", "[pipeline][half]") {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(402);
+  // Same inputs (the rounded values), float vs double arithmetic: the float_vs_double row.
+  SECTION("half") { check_all_presets<Eigen::half>(f, Layout::token_major, kTol.float_vs_double); }
+  SECTION("bfloat16") { check_all_presets<Eigen::bfloat16>(f, Layout::head_major, kTol.float_vs_double); }
+}
+
+TEST_CASE("half and bfloat16 inputs agree with the unrounded result within the table", "[pipeline][half]") {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(403);
+  // Selection and routing are pinned by construction: Position scoring keeps sinks 0..3 and the
+  // recent 64..99 (m = 40); 4-token buckets of the evicted 4..63 hold no kept token, so every route is
+  // the positional fallback. Only continuous quantities (mass, gates, merged values, bias) move.
+  using Pinned = Pipeline<Position, TopK<4, 0, 0>, BucketRouter<4>, SoftGate, AttentionRatio>;
+  using PinnedAll = Pipeline<Position, TopK<4, 0, 0>, BucketRouter<4>, MergeAll, AttentionRatio>;
+  RefSpec soft{kPosition, 4, 0, 0, false, true, ref::RouteKeyCosine, 4, ref::MergeSoftGate, kRatio};
+  RefSpec all = soft;
+  all.merge = ref::MergeAll;
+  const std::vector<long> m(2, 40);
+  const RefResult want_soft = ref_run(f.K, f.V, f.Q, m, soft), want_all = ref_run(f.K, f.V, f.Q, m, all);
+  auto check = [&](auto tag, const kvc::test::PrecisionTols& tol) {
+    using T = decltype(tag);
+    kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::token_major);
+    const auto r_soft = Pinned{}.run(b.view(), Budget::tokens(40));
+    const auto r_all = PinnedAll{}.run(b.view(), Budget::tokens(40));
+    for (std::size_t g = 0; g < 2; ++g) {
+      INFO("head " << g);
+      for (const auto& [got, want] : {std::pair{&r_soft, &want_soft}, std::pair{&r_all, &want_all}}) {
+        const auto& h = got->heads[g];
+        const auto& w = want->heads[g];
+        REQUIRE(kvc::test::to_long(h.positions) == w.positions);
+        const Eigen::MatrixXd hv = h.values.template cast<double>();
+        INFO("values: elementwise ratio " << kvc::test::elementwise_ratio(hv, w.values, tol.values)
+                                          << ", normwise " << kvc::test::normwise_error(hv, w.values));
+        CHECK(kvc::test::within(hv, w.values, tol.values));
+        CHECK(kvc::test::within(h.keys.template cast<double>(), w.keys, tol.values));
+        CHECK(kvc::test::within(kvc::test::to_std(h.bias), w.bias, tol.bias));
+        CHECK(h.diagnostics.merged > 0);
+      }
+    }
+  };
+  SECTION("half") { check(Eigen::half{}, kTol.half_vs_float); }
+  SECTION("bfloat16") { check(Eigen::bfloat16{}, kTol.bf16_vs_float); }
+}
+
+TEST_CASE("attention options reach every stage", "[pipeline][options]") {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(404);
+  RefSpec spec = kSelKV;
+  spec.scale = 0.3;
+  spec.softcap = 2.5;
+  spec.bucket = 8;
+  spec.stat = ref::RouteCoAttention;
+  spec.alpha = 1.0;
+  spec.r_max = 4.0;
+  SelKV::Arguments args;
+  args.attention.scale = 0.3;
+  args.attention.softcap = 2.5;
+  args.router.bucket = 8;
+  args.router.statistic = RouteStatistic::co_attention;
+  args.compensator.alpha = 1.0;
+  args.compensator.r_max = 4.0;
+  check_preset<SelKV, double>("SelKV(options)", spec, f, Layout::head_major, kTol.float_vs_double, args);
+  check_preset<SelKV, float>("SelKV(options)", spec, f, Layout::token_major, kTol.float_vs_double, args);
+}
+
+TEMPLATE_TEST_CASE("m >= n is the identity", "[pipeline][identity]", float, double, Eigen::half) {
+  using T = TestType;
+  using Real = compute_t<T>;
+  INFO("seed " << kvc::test::test_seed());
+  Data f(405);
+  kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::token_major);
+  const LayerView<T> layer = b.view();
+  auto check = [&](const auto& r, const char* name) {
+    INFO(name);
+    REQUIRE(r.heads.size() == 2);
+    CHECK(r.next_position == f.n);
+    for (Index g = 0; g < 2; ++g) {
+      INFO("head " << g);
+      const auto& h = r.heads[static_cast<std::size_t>(g)];
+      REQUIRE(h.size() == f.n);
+      bool keys_same = true, values_same = true;
+      for (Index j = 0; j < f.n; ++j) {
+        CHECK(h.positions[static_cast<std::size_t>(j)] == j);
+        for (Index k = 0; k < f.d; ++k) {
+          keys_same &= h.keys(j, k) == to_real<Real>(layer.keys.row(g, j)[k]);
+          values_same &= h.values(j, k) == to_real<Real>(layer.values.row(g, j)[k]);
+        }
+      }
+      CHECK(keys_same);
+      CHECK(values_same);
+      CHECK(h.bias.size() == f.n);
+      CHECK((h.bias.array() == Real(0)).all());
+      CHECK(h.diagnostics.kept == f.n);
+      CHECK(h.diagnostics.evicted == 0);
+      CHECK(h.diagnostics.merged == 0);
+      CHECK(h.diagnostics.dropped == 0);
+      CHECK(h.diagnostics.gate_mean == 0.0);
+    }
+  };
+  for (Budget budget : {Budget::tokens(f.n), Budget::tokens(f.n + 7), Budget::ratio(1.0)}) {
+    check(StreamingLLM{}.run(layer, budget), "StreamingLLM");
+    check(SnapKV{}.run(layer, budget), "SnapKV");
+    check(SelKVEvict{}.run(layer, budget), "SelKVEvict");
+    check(SelKV{}.run(layer, budget), "SelKV");
+    check(SelKVMergeAll{}.run(layer, budget), "SelKVMergeAll");
+    check(KNorm{}.run(layer, budget), "KNorm");
+  }
+  check(SnapKV{}.run(layer, std::vector<Index>{f.n, f.n + 1}), "SnapKV per-head budgets");
+}
+
+TEST_CASE("both memory layouts give identical results", "[pipeline][layout]") {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(406);
+  kvc::test::LayerBuffers<float> hm(f.K, f.V, f.Q, Layout::head_major), tm(f.K, f.V, f.Q, Layout::token_major);
+  for (const BudgetCase& bc : kBudgets) {
+    INFO("m " << bc.m);
+    {
+      INFO("StreamingLLM");
+      check_identical(StreamingLLM{}.run(hm.view(), bc.budget), StreamingLLM{}.run(tm.view(), bc.budget));
+    }
+    {
+      INFO("SnapKV");
+      check_identical(SnapKV{}.run(hm.view(), bc.budget), SnapKV{}.run(tm.view(), bc.budget));
+    }
+    {
+      INFO("SelKV");
+      check_identical(SelKV{}.run(hm.view(), bc.budget), SelKV{}.run(tm.view(), bc.budget));
+    }
+    {
+      INFO("SelKVMergeAll");
+      check_identical(SelKVMergeAll{}.run(hm.view(), bc.budget), SelKVMergeAll{}.run(tm.view(), bc.budget));
+    }
+    {
+      INFO("KNorm");
+      check_identical(KNorm{}.run(hm.view(), bc.budget), KNorm{}.run(tm.view(), bc.budget));
+    }
+  }
+  kvc::test::LayerBuffers<Eigen::half> hh(f.K, f.V, f.Q, Layout::head_major), ht(f.K, f.V, f.Q, Layout::token_major);
+  check_identical(SelKV{}.run(hh.view(), Budget::ratio(0.3)), SelKV{}.run(ht.view(), Budget::ratio(0.3)));
+}
+
+TEMPLATE_TEST_CASE("compact_into writes rows 0..m_g-1 in either layout, in place too", "[pipeline][compact]", float,
+                   Eigen::half) {
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  Data f(407);
+  for (Layout src_layout : {Layout::head_major, Layout::token_major}) {
+    kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, src_layout);
+    const ref::Tensor3 K0 = b.keys.rounded(), V0 = b.values.rounded(), Q0 = b.queries.rounded();
+    // SelKV (shared, merged values) and SnapKV with different budgets per head (m_0 != m_1).
+    const auto selkv = SelKV{}.run(b.view(), Budget::tokens(37));
+    const auto snap = SnapKV{}.run(b.view(), std::vector<Index>{45, 60});
+    const RefResult want_selkv = ref_run(K0, V0, Q0, {37, 37}, kSelKV);
+    const RefResult want_snap = ref_run(K0, V0, Q0, {45, 60}, kSnapKV);
+
+    // Checks that rows < m_g of `dst` hold the result (converted to T) and agree with the reference,
+    // and that rows >= m_g still hold `before`.
+    auto verify = [&](const auto& result, const RefResult& want, const TensorView<T>& kd, const TensorView<T>& vd,
+                      const ref::Tensor3& kb, const ref::Tensor3& vb) {
+      for (Index g = 0; g < f.Hkv; ++g) {
+        const auto& h = result.heads[static_cast<std::size_t>(g)];
+        const auto& w = want.heads[static_cast<std::size_t>(g)];
+        REQUIRE(kvc::test::to_long(h.positions) == w.positions);
+        bool copied = true, untouched = true;
+        Eigen::MatrixXd kv(h.size(), f.d), vv(h.size(), f.d);
+        for (Index i = 0; i < f.n; ++i)
+          for (Index k = 0; k < f.d; ++k) {
+            const double kx = to_real<double>(kd.row(g, i)[k]), vx = to_real<double>(vd.row(g, i)[k]);
+            if (i < h.size()) {
+              copied &= kd.row(g, i)[k] == from_real<T>(h.keys(i, k)) && vd.row(g, i)[k] == from_real<T>(h.values(i, k));
+              kv(i, k) = kx;
+              vv(i, k) = vx;
+            } else {
+              untouched &= kx == kb.at(g, i, k) && vx == vb.at(g, i, k);
+            }
+          }
+        INFO("head " << g << " m " << h.size());
+        CHECK(copied);
+        CHECK(untouched);
+        CHECK(kv == w.keys);  // keys are never changed, and survive the round trip exactly
+        // Merged values are stored in T: the reference up to the input's own rounding.
+        CHECK(kvc::test::within(vv, w.values,
+                                std::is_same_v<T, float> ? kTol.float_vs_double.values : kTol.half_vs_float.values));
+      }
+    };
+
+    for (Layout dst_layout : {Layout::head_major, Layout::token_major}) {
+      INFO("source " << kvc::test::to_string(src_layout) << " destination " << kvc::test::to_string(dst_layout));
+      ref::Tensor3 fill(f.Hkv, f.n, f.d);
+      for (double& x : fill.data) x = -3.0;
+      kvc::test::Buffer<T> kd(fill, dst_layout), vd(fill, dst_layout);
+      compact_into(selkv, kd.view, vd.view);
+      verify(selkv, want_selkv, kd.view, vd.view, fill, fill);
+      kvc::test::Buffer<T> kd2(fill, dst_layout), vd2(fill, dst_layout);
+      compact_into(snap, kd2.view, vd2.view);
+      verify(snap, want_snap, kd2.view, vd2.view, fill, fill);
+    }
+    {
+      INFO("in place into " << kvc::test::to_string(src_layout) << " source buffers");
+      compact_into(snap, b.keys.view, b.values.view);
+      verify(snap, want_snap, b.keys.view, b.values.view, K0, V0);
+      CHECK(b.queries.rounded().data == Q0.data);
+    }
+  }
+}
+
+TEST_CASE("compact_bias_into writes one row per head", "[pipeline][compact]") {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(408);
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
+  const auto r = SelKV{}.run(b.view(), Budget::tokens(30));
+  const RefResult want = ref_run(b.keys.rounded(), b.values.rounded(), b.queries.rounded(), {30, 30}, kSelKV);
+  std::vector<float> bias(2 * 40, 9.f);
+  compact_bias_into(r, bias.data(), 40, 40);
+  for (std::size_t g = 0; g < 2; ++g) {
+    const std::vector<double> row(bias.begin() + long(g) * 40, bias.begin() + long(g) * 40 + 30);
+    CHECK(kvc::test::within(row, want.heads[g].bias, kTol.float_vs_double.bias));
+    for (long i = 30; i < 40; ++i) CHECK(bias[g * 40 + static_cast<std::size_t>(i)] == 9.f);
+  }
+  CHECK_THROWS_AS(compact_bias_into(r, bias.data(), 40, 29), kvc::error);
+}
+
+TEMPLATE_TEST_CASE("window_output_error matches the reference", "[pipeline][metrics]", float, double) {
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  Data f(409);
+  kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::token_major);
+  const LayerView<T> layer = b.view();
+  const ref::Tensor3 K = b.keys.rounded(), V = b.values.rounded(), Q = b.queries.rounded();
+  const auto& tol = kTol.float_vs_double.values;
+  for (double softcap : {0.0, 3.0}) {
+    INFO("softcap " << softcap);
+    SelKV::Arguments sa;
+    sa.attention.softcap = softcap;
+    SnapKV::Arguments na;
+    na.attention.softcap = softcap;
+    RefSpec ss = kSelKV, ns = kSnapKV;
+    ss.softcap = ns.softcap = softcap;
+    const double scale = 1.0 / std::sqrt(double(f.d));
+    for (long m : {20L, 45L}) {
+      INFO("m " << m);
+      const auto rs = SelKV(sa).run(layer, Budget::tokens(m));
+      const auto rn = SnapKV(na).run(layer, Budget::tokens(m));
+      const std::vector<long> ms(2, m);
+      const double got_s = window_output_error(layer, rs, sa.attention);
+      const double got_n = window_output_error(layer, rn, na.attention);
+      // The metric itself (on the library's result) and the whole chain (on the reference result).
+      CHECK(kvc::test::within(got_s, ref::window_output_error(Q, K, V, as_ref(rs), scale, softcap), tol));
+      CHECK(kvc::test::within(got_n, ref::window_output_error(Q, K, V, as_ref(rn), scale, softcap), tol));
+      CHECK(kvc::test::within(got_s, ref::window_output_error(Q, K, V, ref_run(K, V, Q, ms, ss).heads, scale, softcap),
+                              tol));
+      CHECK(kvc::test::within(got_n, ref::window_output_error(Q, K, V, ref_run(K, V, Q, ms, ns).heads, scale, softcap),
+                              tol));
+      CHECK(got_s > 0.0);
+    }
+    const auto full = SelKV(sa).run(layer, Budget::ratio(1.0));
+    CHECK(kvc::test::within(window_output_error(layer, full, sa.attention),
+                            ref::window_output_error(Q, K, V, as_ref(full), scale, softcap), tol));
+  }
+}
+
+TEMPLATE_TEST_CASE("a window longer than the cache uses the last n queries", "[pipeline][window]", float, double) {
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(410);
+  const long Hkv = 2, Hq = 4, n = 12, d = 16, Wq = 20;
+  const ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d), V = kvc::test::random_tensor(rng, Hkv, n, d);
+  const ref::Tensor3 Q = kvc::test::random_tensor(rng, Hq, Wq, d, 1.5);
+  kvc::test::LayerBuffers<T> b(K, V, Q, Layout::head_major);
+  using Pipe = Pipeline<ValueWeighted, TopK<1, 2, 3, Granularity::shared>, BucketRouter<4>, SoftGate, AttentionRatio>;
+  const RefSpec spec{kValueWeighted, 1, 2, 3, true, true, ref::RouteKeyCosine, 4, ref::MergeSoftGate, kRatio};
+  for (long m : {1L, 4L, 7L}) {
+    INFO("m " << m);
+    const auto got = Pipe{}.run(b.view(), Budget::tokens(m));
+    check_result(got, ref_run(b.keys.rounded(), b.values.rounded(), b.queries.rounded(), {m, m}, spec),
+                 kTol.float_vs_double);
+  }
+}
+
+TEST_CASE("long caches: half and bfloat16 keys spanning several conversion tiles", "[pipeline][half]") {
+  INFO("seed " << kvc::test::test_seed());
+  // The library converts half / bfloat16 keys in tiles of 256 tokens; n = 300 and 513 cross tile edges.
+  for (long n : {300L, 513L}) {
+    Data f(411, n);
+    const long m = n / 4;
+    auto check = [&](auto tag) {
+      using T = decltype(tag);
+      kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::token_major);
+      const ref::Tensor3 K = b.keys.rounded(), V = b.values.rounded(), Q = b.queries.rounded();
+      const std::vector<long> ms(2, m);
+      {
+        INFO("n " << n << " SelKV");
+        check_result(SelKV{}.run(b.view(), Budget::tokens(m)), ref_run(K, V, Q, ms, kSelKV), kTol.float_vs_double);
+      }
+      {
+        INFO("n " << n << " SnapKV");
+        check_result(SnapKV{}.run(b.view(), Budget::tokens(m)), ref_run(K, V, Q, ms, kSnapKV), kTol.float_vs_double);
+      }
+    };
+    check(Eigen::half{});
+    check(Eigen::bfloat16{});
+    check(float{});
+  }
+}
+
+TEST_CASE("worker threads give bit-identical results", "[pipeline][threads]") {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(412);
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::token_major);
+  for (Index threads : {2, 4}) {
+    INFO("threads " << threads);
+    SelKV::Arguments sa;
+    sa.threads = threads;
+    SnapKV::Arguments na;
+    na.threads = threads;
+    check_identical(SelKV{}.run(b.view(), Budget::ratio(0.3)), SelKV(sa).run(b.view(), Budget::ratio(0.3)));
+    check_identical(SnapKV{}.run(b.view(), std::vector<Index>{20, 70}),
+                    SnapKV(na).run(b.view(), std::vector<Index>{20, 70}));
+  }
+}

@@ -1,0 +1,334 @@
+// BucketRouter (SPEC §6) against the reference router kvc::ref::route: the three statistics, bucket
+// sizes 1, 4, 32 and 0 (Global), the empty-bucket fallback, ties and zero-norm keys.
+#include <catch2/catch.hpp>
+
+#include "support/bridge.hpp"
+#include "support/random.hpp"
+#include "support/reference.hpp"
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+using namespace kvc;
+using kvc::test::Layout;
+
+namespace {
+
+/// Ascending complement of `kept` in [0, n).
+std::vector<Index> complement(const std::vector<Index>& kept, Index n) {
+  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
+  for (Index i : kept) is_kept[static_cast<std::size_t>(i)] = 1;
+  std::vector<Index> out;
+  for (Index j = 0; j < n; ++j)
+    if (!is_kept[static_cast<std::size_t>(j)]) out.push_back(j);
+  return out;
+}
+
+/// `count` distinct positions of [0, n) drawn at random, ascending.
+std::vector<Index> random_subset(std::mt19937_64& rng, Index n, Index count) {
+  std::vector<Index> all(static_cast<std::size_t>(n));
+  for (Index j = 0; j < n; ++j) all[static_cast<std::size_t>(j)] = j;
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(static_cast<std::size_t>(count));
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+RouteStatistic library_stat(int s) {
+  return s == ref::RouteKeyCosine ? RouteStatistic::key_cosine
+         : s == ref::RouteWindowMass ? RouteStatistic::window_mass : RouteStatistic::co_attention;
+}
+
+/// The library's window mass of KV head g (what the pipeline hands the router).
+template <class T>
+Vector<compute_t<T>> library_mass(const LayerView<T>& layer, Index g, const AttentionArguments& attn) {
+  using Real = compute_t<T>;
+  RowMatrix<Real> probs;
+  window_probabilities<Real>(layer, g, attn, probs);
+  Vector<Real> mass;
+  mass_from_probabilities(probs, layer.group_size(), mass);
+  return mass;
+}
+
+/// Routes head g with the library and returns, per evicted token (ascending), the kept POSITION it
+/// was sent to. `mass` is what the context hands the router (window_mass statistic).
+template <class T>
+std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector<compute_t<T>>& mass,
+                                const std::vector<Index>& kept, Index bucket, RouteStatistic stat) {
+  const AttentionArguments attn;
+  const std::vector<Index> evicted = complement(kept, layer.tokens());
+  const HeadContext<T> ctx(layer, g, attn, mass, mass, kept, evicted);
+  typename BucketRouter<>::Arguments args;
+  args.bucket = bucket;
+  args.statistic = stat;
+  Routing routing;
+  BucketRouter<>{args}.route(ctx, routing);
+  std::vector<long> out;
+  if (routing.target.size() != evicted.size()) return out;  // the caller checks the size
+  for (Index t : routing.target)
+    out.push_back(t >= 0 && t < static_cast<Index>(kept.size()) ? static_cast<long>(kept[t]) : -1L);
+  return out;
+}
+
+/// The reference route restricted to the evicted positions (ascending).
+std::vector<long> reference_route(long g, const std::vector<Index>& kept, long n, int stat, long bucket,
+                                  const ref::Tensor3& K, const Eigen::MatrixXd& a,
+                                  const std::vector<Eigen::MatrixXd>& probs, long G) {
+  const std::vector<long> full = ref::route(g, kvc::test::to_long(kept), n, stat, bucket, K, a, probs, G);
+  std::vector<long> out;
+  for (Index j : complement(kept, n)) out.push_back(full[static_cast<std::size_t>(j)]);
+  return out;
+}
+
+struct Layer {
+  long Hkv = 2, Hq = 4, n = 80, d = 16, W = 8;
+  std::mt19937_64 rng;
+  ref::Tensor3 K, V, Q;
+  explicit Layer(std::uint64_t stream) : rng(kvc::test::make_rng(stream)) {
+    K = kvc::test::random_tensor(rng, Hkv, n, d);
+    V = kvc::test::random_tensor(rng, Hkv, n, d);
+    Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
+  }
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("BucketRouter matches the reference for every statistic and bucket size", "[router]", float,
+                   double) {
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  Layer f(101);
+  kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::head_major);
+  const LayerView<T> layer = b.view();
+  const ref::Tensor3 K = b.keys.rounded(), Q = b.queries.rounded();
+  const double scale = 1.0 / std::sqrt(double(f.d));
+  const auto probs = ref::window_probs(Q, K, scale, 0.0);
+  const Eigen::MatrixXd a = ref::window_mass(probs, f.Hkv);
+
+  // Kept patterns: a random subset (most buckets populated) and spans with empty buckets between.
+  std::vector<std::vector<Index>> patterns;
+  patterns.push_back(random_subset(f.rng, f.n, 20));
+  patterns.push_back({0, 1, 2, 3, 40, 41, 43, 44, 47, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79});
+
+  long multi_candidate = 0, fallback = 0, stats_differ = 0;
+  for (std::size_t p = 0; p < patterns.size(); ++p) {
+    const std::vector<Index>& kept = patterns[p];
+    for (long g = 0; g < f.Hkv; ++g) {
+      const auto mass = library_mass(layer, g, AttentionArguments{});
+      for (long bucket : {1L, 4L, 32L, 0L}) {
+        std::vector<long> ref_cos;
+        for (int stat : {ref::RouteKeyCosine, ref::RouteWindowMass, ref::RouteCoAttention}) {
+          INFO("pattern " << p << " head " << g << " bucket " << bucket << " statistic "
+                          << to_string(library_stat(stat)));
+          const auto want = reference_route(g, kept, f.n, stat, bucket, K, a, probs, f.Hq / f.Hkv);
+          const auto got = library_route(layer, g, mass, kept, bucket, library_stat(stat));
+          REQUIRE(got.size() == want.size());
+          CHECK(got == want);
+          if (stat == ref::RouteKeyCosine) ref_cos = want;
+          else if (want != ref_cos) ++stats_differ;
+        }
+        // Count what the inputs exercise (so the comparison above is not vacuous).
+        for (Index j : complement(kept, f.n)) {
+          long c = 0;
+          for (Index i : kept) c += (bucket == 0 || i / bucket == j / bucket) ? 1 : 0;
+          multi_candidate += c > 1;
+          fallback += c == 0;
+        }
+      }
+    }
+  }
+  CHECK(multi_candidate > 100);
+  CHECK(fallback > 100);
+  CHECK(stats_differ > 0);
+}
+
+TEST_CASE("BucketRouter: an empty bucket falls back to the nearest kept position, ties to the earlier",
+          "[router][fallback]") {
+  INFO("seed " << kvc::test::test_seed());
+  Layer f(102);
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::token_major);
+  const LayerView<float> layer = b.view();
+  const ref::Tensor3 K = b.keys.rounded(), Q = b.queries.rounded();
+  const auto probs = ref::window_probs(Q, K, 1.0 / std::sqrt(double(f.d)), 0.0);
+  const Eigen::MatrixXd a = ref::window_mass(probs, f.Hkv);
+  const auto mass = library_mass(layer, 0, AttentionArguments{});
+
+  struct Case {
+    std::vector<Index> kept;
+    long bucket;
+    std::vector<std::pair<long, long>> expect;  // (evicted j, target position), worked out by hand
+  };
+  const std::vector<Case> cases = {
+      // bucket 4: [4,8) is empty; j = 6 is 4 from both 2 and 10 -> 2; j = 7 -> 10.
+      {{2, 10, 13, 30},
+       4,
+       {{0, 2}, {1, 2}, {3, 2}, {4, 2}, {5, 2}, {6, 2}, {7, 10}, {8, 10}, {11, 10}, {12, 13}, {16, 13},
+        {21, 13}, {22, 30}, {24, 30}, {29, 30}, {32, 30}, {79, 30}}},
+      // bucket 1: every bucket of an evicted token is empty. Before the first / after the last kept.
+      {{5, 11, 20},
+       1,
+       {{0, 5}, {4, 5}, {7, 5}, {8, 5}, {9, 11}, {14, 11}, {15, 11}, {16, 20}, {21, 20}, {79, 20}}},
+      // bucket 32: [32,64) is empty; j = 48 is 17 from both 31 and 65 -> 31; j = 49 -> 65.
+      {{31, 65}, 32, {{0, 31}, {30, 31}, {32, 31}, {48, 31}, {49, 65}, {63, 65}, {64, 65}, {79, 65}}},
+  };
+  for (const Case& c : cases) {
+    const std::vector<Index> evicted = complement(c.kept, f.n);
+    for (int stat : {ref::RouteKeyCosine, ref::RouteWindowMass, ref::RouteCoAttention}) {
+      INFO("bucket " << c.bucket << " statistic " << to_string(library_stat(stat)));
+      const auto got = library_route(layer, 0, mass, c.kept, c.bucket, library_stat(stat));
+      const auto want = reference_route(0, c.kept, f.n, stat, c.bucket, K, a, probs, f.Hq / f.Hkv);
+      REQUIRE(got.size() == evicted.size());
+      CHECK(got == want);
+      for (const auto& [j, target] : c.expect) {
+        const auto e = std::lower_bound(evicted.begin(), evicted.end(), j) - evicted.begin();
+        INFO("evicted " << j);
+        REQUIRE(evicted[static_cast<std::size_t>(e)] == j);
+        CHECK(got[static_cast<std::size_t>(e)] == target);
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("BucketRouter: ties among candidates go to the lower position", "[router][ties]", float,
+                   double) {
+  using T = TestType;
+  using Real = compute_t<T>;
+  INFO("seed " << kvc::test::test_seed());
+  Layer f(103);
+  // Head 0: positions 9 and 13 (bucket [8,16), both before the window) carry the same key; evicted
+  // 10 and 15 have that key too, so both candidates are the argmax of key cosine and, having equal
+  // attention columns, of co-attention. Position 11 (kept) has another key.
+  const long lo = 9, hi = 13;
+  for (long k = 0; k < f.d; ++k) {
+    f.K.at(0, hi, k) = f.K.at(0, lo, k);
+    f.K.at(0, 10, k) = f.K.at(0, lo, k);
+    f.K.at(0, 15, k) = f.K.at(0, lo, k);
+  }
+  kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::head_major);
+  const LayerView<T> layer = b.view();
+  const ref::Tensor3 K = b.keys.rounded(), Q = b.queries.rounded();
+  const auto probs = ref::window_probs(Q, K, 1.0 / std::sqrt(double(f.d)), 0.0);
+  Eigen::MatrixXd a = ref::window_mass(probs, f.Hkv);
+  // window_mass: the crafted mass gives 9 and 13 the same, largest value.
+  Vector<Real> mass = library_mass(layer, 0, AttentionArguments{});
+  const Real top = Real(2) * mass.maxCoeff();
+  mass[lo] = mass[hi] = top;
+  a(0, lo) = a(0, hi) = static_cast<double>(top);
+
+  const std::vector<Index> kept = {2, lo, 11, hi, 20, 40, 60, 79};
+  const std::vector<Index> evicted = complement(kept, f.n);
+  for (int stat : {ref::RouteKeyCosine, ref::RouteWindowMass, ref::RouteCoAttention}) {
+    for (long bucket : {8L, 0L}) {
+      INFO("statistic " << to_string(library_stat(stat)) << " bucket " << bucket);
+      const auto got = library_route(layer, 0, mass, kept, bucket, library_stat(stat));
+      const auto want = reference_route(0, kept, f.n, stat, bucket, K, a, probs, f.Hq / f.Hkv);
+      REQUIRE(got.size() == evicted.size());
+      CHECK(got == want);
+      for (long j : {10L, 15L}) {
+        const auto e = std::lower_bound(evicted.begin(), evicted.end(), j) - evicted.begin();
+        const long target = got[static_cast<std::size_t>(e)];
+        INFO("evicted " << j << " -> " << target);
+        CHECK(target != hi);  // 9 and 13 are indistinguishable: 13 may never win over 9
+        // Key cosine (duplicated key: cosine 1 with both) and window mass (crafted equal maxima)
+        // make the pair the argmax by construction; for co-attention, when the reference says so.
+        bool pair_is_argmax = stat != ref::RouteCoAttention;
+        if (!pair_is_argmax) {
+          auto co = [&](long i) {
+            double s = 0.0;
+            for (long h = 0; h < f.Hq / f.Hkv; ++h)  // the query heads of KV head 0
+              for (long r = 0; r < probs[static_cast<std::size_t>(h)].rows(); ++r)
+                s += probs[static_cast<std::size_t>(h)](r, j) * probs[static_cast<std::size_t>(h)](r, i);
+            return s;
+          };
+          double best = -1.0;
+          for (Index i : kept)
+            if (bucket == 0 || i / bucket == j / bucket) best = std::max(best, co(i));
+          pair_is_argmax = co(lo) == best;
+        }
+        if (pair_is_argmax) CHECK(target == lo);
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("BucketRouter: zero-norm keys have cosine 0", "[router][zero]", float, double) {
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  Layer f(104);
+  // Bucket [16,24): kept 17 has k_17 = -k_21 (cosine -1 with the evicted 21), kept 19 has a zero key.
+  // Evicted 21 must go to 19 (cosine 0 beats -1). Evicted 18 has a zero key: every candidate has
+  // cosine 0 and the tie goes to the lower position, 17. Bucket [32,40): kept 33 and 36; evicted 35
+  // is parallel to 36 (cosine 1) and 33 gets a zero key: 36 wins over the zero-norm candidate.
+  for (long k = 0; k < f.d; ++k) {
+    f.K.at(0, 17, k) = -f.K.at(0, 21, k);
+    f.K.at(0, 19, k) = 0.0;
+    f.K.at(0, 18, k) = 0.0;
+    f.K.at(0, 33, k) = 0.0;
+    f.K.at(0, 36, k) = 0.5 * f.K.at(0, 35, k);
+  }
+  kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::token_major);
+  const LayerView<T> layer = b.view();
+  const ref::Tensor3 K = b.keys.rounded(), Q = b.queries.rounded();
+  const auto probs = ref::window_probs(Q, K, 1.0 / std::sqrt(double(f.d)), 0.0);
+  const Eigen::MatrixXd a = ref::window_mass(probs, f.Hkv);
+  const auto mass = library_mass(layer, 0, AttentionArguments{});
+
+  const std::vector<Index> kept = {0, 17, 19, 33, 36, 50, 79};
+  const std::vector<Index> evicted = complement(kept, f.n);
+  const auto got = library_route(layer, 0, mass, kept, 8, RouteStatistic::key_cosine);
+  const auto want = reference_route(0, kept, f.n, ref::RouteKeyCosine, 8, K, a, probs, f.Hq / f.Hkv);
+  REQUIRE(got.size() == evicted.size());
+  CHECK(got == want);
+  auto target_of = [&](long j) {
+    const auto e = std::lower_bound(evicted.begin(), evicted.end(), j) - evicted.begin();
+    return got[static_cast<std::size_t>(e)];
+  };
+  CHECK(target_of(21) == 19);
+  CHECK(target_of(18) == 17);
+  CHECK(target_of(35) == 36);
+  for (long x : got) CHECK(x >= 0);  // zero norms never produce an invalid target (no NaN compare)
+}
+
+TEMPLATE_TEST_CASE("BucketRouter routes nothing when nothing is evicted", "[router]", float, Eigen::half) {
+  using T = TestType;
+  Layer f(105);
+  kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::head_major);
+  const LayerView<T> layer = b.view();
+  std::vector<Index> kept(static_cast<std::size_t>(f.n));
+  for (Index j = 0; j < f.n; ++j) kept[static_cast<std::size_t>(j)] = j;
+  const std::vector<Index> evicted;
+  const auto mass = library_mass(layer, 1, AttentionArguments{});
+  const AttentionArguments attn;
+  const HeadContext<T> ctx(layer, 1, attn, mass, mass, kept, evicted);
+  Routing routing;
+  routing.target = {7, 7, 7};  // stale content must be replaced
+  BucketRouter<>{}.route(ctx, routing);
+  CHECK(routing.target.empty());
+  CHECK_FALSE(routing.routed());
+}
+
+TEST_CASE("BucketRouter on half and bfloat16 keys agrees with the reference on the stored values",
+          "[router][half]") {
+  INFO("seed " << kvc::test::test_seed());
+  Layer f(106);
+  const std::vector<Index> kept = random_subset(f.rng, f.n, 24);
+  auto check = [&](auto tag) {
+    using T = decltype(tag);
+    kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::token_major);
+    const LayerView<T> layer = b.view();
+    const ref::Tensor3 K = b.keys.rounded(), Q = b.queries.rounded();
+    const auto probs = ref::window_probs(Q, K, 1.0 / std::sqrt(double(f.d)), 0.0);
+    const Eigen::MatrixXd a = ref::window_mass(probs, f.Hkv);
+    for (long g = 0; g < f.Hkv; ++g) {
+      const auto mass = library_mass(layer, g, AttentionArguments{});
+      for (int stat : {ref::RouteKeyCosine, ref::RouteWindowMass, ref::RouteCoAttention}) {
+        INFO("head " << g << " statistic " << to_string(library_stat(stat)));
+        const auto got = library_route(layer, g, mass, kept, 32, library_stat(stat));
+        CHECK(got == reference_route(g, kept, f.n, stat, 32, K, a, probs, f.Hq / f.Hkv));
+      }
+    }
+  };
+  check(Eigen::half{});
+  check(Eigen::bfloat16{});
+}

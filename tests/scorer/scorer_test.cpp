@@ -1,0 +1,187 @@
+// Scorers (SPEC §4): AttentionMass, ValueWeighted, KeyNorm and Position against the reference scorers,
+// fed with the library's own window attention mass, and through a pipeline's selection.
+#include <catch2/catch.hpp>
+
+#include "support/bridge.hpp"
+#include "support/random.hpp"
+#include "support/tolerances.hpp"
+
+#include <cmath>
+#include <vector>
+
+using namespace kvc;
+using kvc::test::kTol;
+using kvc::test::Layout;
+
+namespace {
+
+struct Problem {
+  long Hkv, G, n, d, W;
+  ref::Tensor3 K, V, Q;
+  Problem(std::mt19937_64& rng, long Hkv_, long G_, long n_, long d_, long W_)
+      : Hkv(Hkv_), G(G_), n(n_), d(d_), W(W_), K(kvc::test::random_tensor(rng, Hkv_, n_, d_)),
+        V(kvc::test::random_tensor(rng, Hkv_, n_, d_)), Q(kvc::test::random_tensor(rng, Hkv_ * G_, W_, d_)) {
+    // A zero value vector and a zero key: ‖·‖ = 0 edge cases.
+    for (long k = 0; k < d; ++k) {
+      V.at(0, n / 2, k) = 0.0;
+      K.at(Hkv - 1, n / 3, k) = 0.0;
+    }
+  }
+};
+
+/// The library's window attention mass of KV head g (what the pipeline feeds to a scorer).
+template <class T>
+Vector<compute_t<T>> library_mass(const LayerView<T>& layer, Index g) {
+  using Real = compute_t<T>;
+  RowMatrix<Real> probs;
+  window_probabilities<Real>(layer, g, AttentionArguments{}, probs);
+  Vector<Real> mass;
+  mass_from_probabilities(probs, layer.group_size(), mass);
+  return mass;
+}
+
+/// Scores of every KV head from Scorer, with the library's mass: (Hkv, n) in double.
+template <class Scorer, class T>
+Eigen::MatrixXd library_scores(const LayerView<T>& layer) {
+  using Real = compute_t<T>;
+  Eigen::MatrixXd out(layer.kv_heads(), layer.tokens());
+  for (Index g = 0; g < layer.kv_heads(); ++g) {
+    const Vector<Real> mass = library_mass(layer, g);
+    Vector<Real> s;
+    Scorer{}.score(layer, g, mass, s);
+    REQUIRE(s.size() == layer.tokens());
+    out.row(g) = s.template cast<double>().transpose();
+  }
+  return out;
+}
+
+/// Reference scores for each scorer, from the reference mass.
+Eigen::MatrixXd reference_scores(const char* which, const ref::Tensor3& K, const ref::Tensor3& V,
+                                 const ref::Tensor3& Q) {
+  const auto probs = ref::window_probs(Q, K, 1.0 / std::sqrt(double(K.d)), 0.0);
+  const Eigen::MatrixXd a = ref::window_mass(probs, K.H);
+  const std::string w = which;
+  if (w == "AttentionMass") return ref::attention_mass(a);
+  if (w == "ValueWeighted") return ref::value_weighted(a, V);
+  if (w == "KeyNorm") return ref::key_norm(K);
+  return ref::position(K.H, K.n);
+}
+
+template <class Scorer>
+void check_scorer(const char* name, const kvc::test::Tol& tol) {
+  INFO("seed " << kvc::test::test_seed());
+  INFO("scorer " << name);
+  auto rng = kvc::test::make_rng(301);
+  const long shapes[][5] = {{1, 1, 1, 1, 1}, {1, 2, 17, 7, 4}, {2, 2, 65, 16, 32}, {2, 4, 130, 33, 8}, {3, 1, 31, 64, 40}};
+  for (const auto& sh : shapes) {
+    Problem pr(rng, sh[0], sh[1], sh[2], sh[3], sh[4]);
+    INFO("Hkv " << pr.Hkv << " G " << pr.G << " n " << pr.n << " d " << pr.d << " W " << pr.W);
+    const Eigen::MatrixXd want = reference_scores(name, pr.K, pr.V, pr.Q);
+    for (Layout layout : {Layout::head_major, Layout::token_major}) {
+      INFO("layout " << kvc::test::to_string(layout));
+      kvc::test::LayerBuffers<float> f(pr.K, pr.V, pr.Q, layout);
+      const Eigen::MatrixXd got_f = library_scores<Scorer>(f.view());
+      CHECK(kvc::test::elementwise_ratio(got_f, want, tol) <= 1.0);
+      CHECK(kvc::test::normwise_error(got_f, want) <= tol.norm);
+      kvc::test::LayerBuffers<double> dd(pr.K, pr.V, pr.Q, layout);
+      const Eigen::MatrixXd got_d = library_scores<Scorer>(dd.view());
+      CHECK(kvc::test::elementwise_ratio(got_d, want, tol) <= 1.0);
+      CHECK(kvc::test::normwise_error(got_d, want) <= tol.norm);
+
+      // Half storage: the library on rounded inputs vs the reference on the same rounded values.
+      kvc::test::LayerBuffers<Eigen::half> h(pr.K, pr.V, pr.Q, layout);
+      const Eigen::MatrixXd got_h = library_scores<Scorer>(h.view());
+      const Eigen::MatrixXd want_h = reference_scores(name, h.keys.rounded(), h.values.rounded(), h.queries.rounded());
+      CHECK(kvc::test::elementwise_ratio(got_h, want_h, tol) <= 1.0);
+      CHECK(kvc::test::normwise_error(got_h, want_h) <= tol.norm);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("AttentionMass scores are the window mass", "[scorer]") {
+  STATIC_REQUIRE(AttentionMass::needs_mass);
+  check_scorer<AttentionMass>("AttentionMass", kTol.float_vs_double.mass);
+}
+
+TEST_CASE("ValueWeighted scores are mass times value norm (SelKV Eq. 1)", "[scorer]") {
+  STATIC_REQUIRE(ValueWeighted::needs_mass);
+  check_scorer<ValueWeighted>("ValueWeighted", kTol.float_vs_double.mass);
+}
+
+TEST_CASE("KeyNorm scores are minus the key norm", "[scorer]") {
+  STATIC_REQUIRE_FALSE(KeyNorm::needs_mass);
+  check_scorer<KeyNorm>("KeyNorm", kTol.float_vs_double.values);
+}
+
+TEST_CASE("Position scores are the positions, exactly", "[scorer]") {
+  STATIC_REQUIRE_FALSE(Position::needs_mass);
+  check_scorer<Position>("Position", kTol.float_vs_double.values);
+  // Exact integers, whatever the mass says.
+  auto rng = kvc::test::make_rng(302);
+  Problem pr(rng, 2, 1, 40, 8, 4);
+  kvc::test::LayerBuffers<float> b(pr.K, pr.V, pr.Q, Layout::head_major);
+  Vector<float> garbage = Vector<float>::Constant(40, 123.f), s;
+  Position{}.score(b.view(), 1, garbage, s);
+  REQUIRE(s.size() == 40);
+  for (Index j = 0; j < 40; ++j) CHECK(s[j] == float(j));
+}
+
+TEST_CASE("scorers without mass ignore it; scorers with mass use it", "[scorer]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(303);
+  Problem pr(rng, 2, 2, 24, 8, 6);
+  kvc::test::LayerBuffers<double> b(pr.K, pr.V, pr.Q, Layout::token_major);
+  const auto layer = b.view();
+  const Vector<double> zeros = Vector<double>::Zero(24), ones = Vector<double>::Ones(24);
+  Vector<double> s0, s1;
+  KeyNorm{}.score(layer, 1, zeros, s0);
+  KeyNorm{}.score(layer, 1, ones, s1);
+  CHECK((s0.array() == s1.array()).all());
+  CHECK((s0.array() <= 0.0).all());
+  // ValueWeighted with a = 1 is exactly the value norm.
+  ValueWeighted{}.score(layer, 0, ones, s1);
+  for (long j = 0; j < 24; ++j) CHECK(s1[j] == Approx(ref::norm2(pr.V.vec(0, j), 8)).epsilon(kTol.float_vs_double.values.rel));
+  CHECK(s1[12] == 0.0);  // the zero value vector
+  ValueWeighted{}.score(layer, 0, zeros, s0);
+  CHECK(s0.isZero(0.0));
+  AttentionMass{}.score(layer, 0, ones, s0);
+  CHECK((s0.array() == ones.array()).all());
+}
+
+namespace {
+
+template <class Scorer>
+using ScoreOnly = Pipeline<Scorer, TopK<>, NoRoute, Drop, NoCompensation>;
+
+template <class Scorer>
+void check_pipeline_selection(const char* name) {
+  INFO("seed " << kvc::test::test_seed());
+  INFO("scorer " << name);
+  auto rng = kvc::test::make_rng(304);
+  Problem pr(rng, 2, 2, 90, 16, 12);
+  const Eigen::MatrixXd scores = reference_scores(name, pr.K, pr.V, pr.Q);
+  kvc::test::LayerBuffers<double> b(pr.K, pr.V, pr.Q, Layout::head_major);
+  typename ScoreOnly<Scorer>::Arguments args;
+  args.selector.sinks = 2;
+  args.selector.recent = 5;
+  args.selector.pool_kernel = 3;
+  args.selector.pooling = Pooling::average;
+  for (long m : {1L, 10L, 30L, 89L, 90L, 200L}) {
+    INFO("budget " << m);
+    const auto result = ScoreOnly<Scorer>(args).run(b.view(), Budget::tokens(m));
+    const long mm = std::min<long>(m, pr.n);
+    const auto want = ref::select(scores, {mm, mm}, 2, 5, 3, false, false);
+    for (long g = 0; g < pr.Hkv; ++g) CHECK(kvc::test::to_long(result.heads[g].positions) == want[g]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("each scorer drives the pipeline's selection like the reference", "[scorer][pipeline]") {
+  check_pipeline_selection<AttentionMass>("AttentionMass");
+  check_pipeline_selection<ValueWeighted>("ValueWeighted");
+  check_pipeline_selection<KeyNorm>("KeyNorm");
+  check_pipeline_selection<Position>("Position");
+}

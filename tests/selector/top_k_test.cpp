@@ -1,0 +1,324 @@
+// Selector (SPEC §3, §4 pooling, §5): kvc::TopK against kvc::ref::select per KV head and shared, with
+// every pooling mode and kernel, forced sinks / recent tokens under small budgets, exact ties, the
+// selection invariants, and the StreamingLLM / SnapKV presets.
+#include <catch2/catch.hpp>
+
+#include "support/bridge.hpp"
+#include "support/random.hpp"
+#include "support/tolerances.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <set>
+#include <vector>
+
+using namespace kvc;
+using kvc::test::kTol;
+using kvc::test::Layout;
+
+namespace {
+
+using Selector = TopK<>;
+
+struct Config {
+  long sinks, recent, kernel;
+  Pooling pooling;
+  bool shared;
+};
+
+std::string describe(const Config& c) {
+  return detail::concat("sinks ", c.sinks, " recent ", c.recent, " pooling ", to_string(c.pooling), " kernel ",
+                        c.kernel, " ", c.shared ? "shared" : "per_head");
+}
+
+Selector make_selector(const Config& c) {
+  Selector s;
+  s.args.sinks = c.sinks;
+  s.args.recent = c.recent;
+  s.args.pool_kernel = c.kernel;
+  s.args.pooling = c.pooling;
+  s.args.granularity = c.shared ? Granularity::shared : Granularity::per_head;
+  return s;
+}
+
+template <class Real>
+std::vector<Vector<Real>> to_lib_scores(const Eigen::MatrixXd& scores) {
+  std::vector<Vector<Real>> out;
+  for (long g = 0; g < scores.rows(); ++g) out.push_back(scores.row(g).transpose().cast<Real>());
+  return out;
+}
+
+/// Runs the library selector and the reference on the same scores and checks the kept sets agree and
+/// that the selection invariants hold. budgets are the (already clamped to n) per-head budgets.
+template <class Real>
+void check_selection(const Eigen::MatrixXd& scores, const std::vector<long>& budgets, const Config& c) {
+  const long H = scores.rows(), n = scores.cols();
+  Selection<Real> sel;
+  const std::vector<Index> lib_budgets(budgets.begin(), budgets.end());
+  make_selector(c).select(to_lib_scores<Real>(scores), lib_budgets, sel);
+  const auto want = ref::select(scores, budgets, c.sinks, c.recent, c.kernel, c.pooling == Pooling::max, c.shared);
+
+  REQUIRE(static_cast<long>(sel.kept.size()) == H);
+  REQUIRE(static_cast<long>(sel.evicted.size()) == H);
+  CHECK(sel.shared == c.shared);
+  for (long g = 0; g < H; ++g) {
+    INFO("KV head " << g << " budget " << budgets[static_cast<std::size_t>(g)]);
+    const std::vector<long> kept = kvc::test::to_long(sel.kept[g]);
+    CHECK(kept == want[static_cast<std::size_t>(g)]);
+
+    // Invariants: size, ascending and unique, in range, forced tokens kept, evicted = complement.
+    const long m = std::min(budgets[static_cast<std::size_t>(g)], n);
+    CHECK(static_cast<long>(kept.size()) == m);
+    CHECK(std::adjacent_find(kept.begin(), kept.end(), [](long a, long b) { return a >= b; }) == kept.end());
+    CHECK((kept.empty() || (kept.front() >= 0 && kept.back() < n)));
+    const ForcedCounts f = forced_counts(n, m, c.sinks, c.recent);
+    CHECK(f.sinks + f.recent <= m);
+    std::set<long> kept_set(kept.begin(), kept.end());
+    long missing_forced = 0;
+    for (long j = 0; j < f.sinks; ++j) missing_forced += kept_set.count(j) ? 0 : 1;
+    for (long j = n - f.recent; j < n; ++j) missing_forced += kept_set.count(j) ? 0 : 1;
+    CHECK(missing_forced == 0);
+    std::vector<long> complement;
+    for (long j = 0; j < n; ++j)
+      if (!kept_set.count(j)) complement.push_back(j);
+    CHECK(kvc::test::to_long(sel.evicted[g]) == complement);
+    if (c.shared) CHECK(sel.kept[g] == sel.kept[0]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("TopK matches the reference selection over sizes, budgets, pooling and granularity", "[selector]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(401);
+  std::uniform_int_distribution<int> small_int(0, 5);
+  const std::vector<std::pair<Pooling, long>> poolings = {
+      {Pooling::none, 0}, {Pooling::average, 1}, {Pooling::average, 3}, {Pooling::average, 5},
+      {Pooling::average, 7}, {Pooling::max, 1},  {Pooling::max, 3},     {Pooling::max, 5},
+      {Pooling::max, 7}};
+  long cases = 0;
+  for (long n : {1L, 2L, 7L, 16L, 33L, 65L, 130L}) {
+    for (long H : {1L, 3L}) {
+      // Continuous scores (double run) and small integers times 105 = 3·5·7 with many exact ties (float
+      // run: pooled sums, their division by any kernel and the shared mean keep float and double
+      // orderings identical).
+      Eigen::MatrixXd cont = kvc::test::random_matrix(rng, H, n);
+      Eigen::MatrixXd ints(H, n);
+      for (long g = 0; g < H; ++g)
+        for (long j = 0; j < n; ++j) ints(g, j) = 105.0 * small_int(rng);
+      for (long sinks : {0L, 1L, 4L}) {
+        for (long recent : {0L, 3L, 32L}) {
+          for (const auto& pk : poolings) {
+            for (bool shared : {false, true}) {
+              const Config c{sinks, recent, pk.second, pk.first, shared};
+              for (long m : {1L, 2L, 5L, n / 2, n - 1, n, n + 5}) {
+                if (m < 1) continue;
+                std::vector<long> budgets(static_cast<std::size_t>(H), std::min(m, n));
+                if (!shared && H > 1) budgets[1] = std::max(1L, std::min(n, m / 2 + 1));  // per-head budgets differ
+                INFO(describe(c) << " n " << n << " H " << H << " m " << m);
+                ++cases;
+                check_selection<double>(cont, budgets, c);
+                check_selection<float>(ints, budgets, c);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(cases > 1000);
+}
+
+TEST_CASE("forced tokens never exceed the budget", "[selector][budget]") {
+  const long n = 50;
+  Eigen::MatrixXd scores = Eigen::MatrixXd::Zero(1, n);
+  scores(0, 20) = 100.0;  // a strong candidate that must lose to forced tokens when the budget is tiny
+  struct Case {
+    long sinks, recent, m;
+    std::vector<long> want;
+  };
+  const std::vector<Case> cases = {
+      {4, 8, 1, {0}},                              // sinks only, truncated to m
+      {4, 8, 4, {0, 1, 2, 3}},                     // sinks fill the budget
+      {4, 8, 6, {0, 1, 2, 3, 48, 49}},             // then the most recent tokens
+      {4, 8, 12, {0, 1, 2, 3, 42, 43, 44, 45, 46, 47, 48, 49}},
+      {4, 8, 13, {0, 1, 2, 3, 20, 42, 43, 44, 45, 46, 47, 48, 49}},  // one slot left for the score
+      {0, 3, 1, {49}},
+      {0, 0, 1, {20}},
+      {60, 0, 10, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}},  // sinks > n
+  };
+  for (const auto& c : cases) {
+    INFO("sinks " << c.sinks << " recent " << c.recent << " m " << c.m);
+    for (Pooling p : {Pooling::none, Pooling::max}) {
+      const Config cfg{c.sinks, c.recent, p == Pooling::none ? 0 : 5, p, false};
+      if (p == Pooling::none) {  // (max pooling spreads the strong score to its neighbours)
+        Selection<double> sel;
+        make_selector(cfg).select(to_lib_scores<double>(scores), {c.m}, sel);
+        CHECK(kvc::test::to_long(sel.kept[0]) == c.want);
+      }
+      check_selection<double>(scores, {c.m}, cfg);
+    }
+  }
+}
+
+TEST_CASE("budgets of n or more keep everything", "[selector][budget]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(402);
+  const Eigen::MatrixXd scores = kvc::test::random_matrix(rng, 2, 20);
+  for (bool shared : {false, true}) {
+    for (long m : {20L, 21L, 1000L}) {
+      Selection<double> sel;
+      make_selector({4, 8, 5, Pooling::average, shared}).select(to_lib_scores<double>(scores), {m, m}, sel);
+      std::vector<Index> all(20);
+      std::iota(all.begin(), all.end(), Index(0));
+      for (int g = 0; g < 2; ++g) {
+        CHECK(sel.kept[g] == all);
+        CHECK(sel.evicted[g].empty());
+      }
+    }
+  }
+  Selection<double> sel;
+  KeepAll{}.select(to_lib_scores<double>(scores), {3, 3}, sel);
+  CHECK(sel.kept[1].size() == 20);
+  CHECK(sel.evicted[1].empty());
+}
+
+TEST_CASE("exact ties go to the lower position", "[selector][ties]") {
+  SECTION("all scores equal: the earliest candidates win") {
+    const Eigen::MatrixXd scores = Eigen::MatrixXd::Constant(2, 30, 0.25);
+    for (Pooling p : {Pooling::none, Pooling::max}) {
+      Selection<float> sel;
+      make_selector({2, 3, 3, p, false}).select(to_lib_scores<float>(scores), {9, 7}, sel);
+      CHECK(kvc::test::to_long(sel.kept[0]) == std::vector<long>{0, 1, 2, 3, 4, 5, 27, 28, 29});
+      CHECK(kvc::test::to_long(sel.kept[1]) == std::vector<long>{0, 1, 2, 3, 27, 28, 29});
+    }
+  }
+  SECTION("repeated values: earlier copies win") {
+    Eigen::MatrixXd scores(1, 12);
+    scores << 1, 3, 2, 3, 1, 3, 2, 3, 0, 2, 3, 1;  // 3 at 1, 3, 5, 7, 10; 2 at 2, 6, 9
+    Selection<double> sel;
+    make_selector({0, 0, 0, Pooling::none, false}).select(to_lib_scores<double>(scores), {3}, sel);
+    CHECK(kvc::test::to_long(sel.kept[0]) == std::vector<long>{1, 3, 5});
+    make_selector({0, 0, 0, Pooling::none, false}).select(to_lib_scores<double>(scores), {6}, sel);
+    CHECK(kvc::test::to_long(sel.kept[0]) == std::vector<long>{1, 2, 3, 5, 7, 10});
+    check_selection<double>(scores, {6}, {0, 0, 0, Pooling::none, false});
+  }
+  SECTION("shared: the union of proposals is trimmed by the mean, ties to the lower position") {
+    // Head 0 proposes {0}, head 1 proposes {1}; position 2 has the best mean but nobody proposed it.
+    Eigen::MatrixXd scores(2, 5);
+    scores << 10, 0, 6, 0, 0,  //
+        0, 10, 6, 0, 0;
+    Selection<double> sel;
+    make_selector({0, 0, 0, Pooling::none, true}).select(to_lib_scores<double>(scores), {1, 1}, sel);
+    CHECK(kvc::test::to_long(sel.kept[0]) == std::vector<long>{0});
+    CHECK(kvc::test::to_long(sel.kept[1]) == std::vector<long>{0});
+    check_selection<double>(scores, {1, 1}, {0, 0, 0, Pooling::none, true});
+    check_selection<double>(scores, {2, 2}, {0, 0, 0, Pooling::none, true});
+    // The shared score is the raw mean of the heads' scores.
+    CHECK(sel.score[0][2] == 6.0);
+    CHECK(sel.score[1][0] == 5.0);
+  }
+}
+
+TEST_CASE("pooled scores follow SPEC §4 and stay inside the candidate region", "[selector][pooling]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(403);
+  const long n = 40;
+  const Eigen::MatrixXd scores = kvc::test::random_matrix(rng, 1, n);  // negative values too (max padding)
+  for (Pooling p : {Pooling::average, Pooling::max}) {
+    for (long kernel : {1L, 3L, 5L, 7L}) {
+      for (long m : {10L, 25L}) {
+        INFO(to_string(p) << " kernel " << kernel << " m " << m);
+        Selection<double> sel;
+        make_selector({3, 6, kernel, p, false}).select(to_lib_scores<double>(scores), {m}, sel);
+        const ForcedCounts f = forced_counts(n, m, 3, 6);
+        const std::vector<double> want =
+            ref::pool(ref::row_vector(scores, 0), n, f.sinks, f.recent, kernel, p == Pooling::max);
+        CHECK(kvc::test::within(kvc::test::to_std(sel.score[0]), want, kTol.float_vs_double.mass));
+        // Outside [sinks, n - recent) the raw score is kept.
+        for (long j = 0; j < f.sinks; ++j) CHECK(sel.score[0][j] == scores(0, j));
+        for (long j = n - f.recent; j < n; ++j) CHECK(sel.score[0][j] == scores(0, j));
+      }
+    }
+  }
+}
+
+TEST_CASE("TopK::validate rejects bad options", "[selector][errors]") {
+  Selector s;
+  CHECK(s.validate());
+  s.args.pooling = Pooling::average;
+  s.args.pool_kernel = 4;
+  CHECK(s.validate().code() == Status::Code::invalid_argument);
+  CHECK_THAT(s.validate().message(), Catch::Contains("pool_kernel"));
+  s.args.pool_kernel = 0;
+  CHECK_FALSE(s.validate());
+  s.args.pool_kernel = 5;
+  CHECK(s.validate());
+  s.args.sinks = -1;
+  CHECK_THAT(s.validate().message(), Catch::Contains("sinks"));
+  s.args.sinks = 0;
+  s.args.recent = -2;
+  CHECK_THAT(s.validate().message(), Catch::Contains("recent"));
+}
+
+namespace {
+
+struct Layer {
+  ref::Tensor3 K, V, Q;
+};
+
+Layer random_layer(std::mt19937_64& rng, long Hkv, long G, long n, long d, long W) {
+  Layer l{kvc::test::random_tensor(rng, Hkv, n, d), kvc::test::random_tensor(rng, Hkv, n, d),
+          kvc::test::random_tensor(rng, Hkv * G, W, d)};
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("StreamingLLM keeps the 4 sinks and the most recent tokens", "[selector][presets]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(404);
+  const long n = 50;
+  const Layer l = random_layer(rng, 2, 2, n, 8, 8);
+  kvc::test::LayerBuffers<float> b(l.K, l.V, l.Q, Layout::token_major);
+  for (long m : {1L, 3L, 4L, 5L, 10L, 49L, 50L, 80L}) {
+    INFO("m " << m);
+    const auto r = StreamingLLM{}.run(b.view(), Budget::tokens(m));
+    std::vector<long> want;
+    const long mm = std::min(m, n);
+    for (long j = 0; j < std::min(4L, mm); ++j) want.push_back(j);
+    for (long j = n - (mm - std::min(4L, mm)); j < n; ++j) want.push_back(j);
+    for (int g = 0; g < 2; ++g) {
+      CHECK(kvc::test::to_long(r.heads[g].positions) == want);
+      CHECK(r.heads[g].size() == mm);
+    }
+  }
+}
+
+TEST_CASE("SnapKV keeps its 32-token window and selects the rest by pooled mass", "[selector][presets]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(405);
+  const long n = 100, W = 32, Hkv = 2, G = 2;
+  const Layer l = random_layer(rng, Hkv, G, n, 16, W);
+  kvc::test::LayerBuffers<double> b(l.K, l.V, l.Q, Layout::head_major);
+  const auto probs = ref::window_probs(l.Q, l.K, 1.0 / 4.0, 0.0);
+  const Eigen::MatrixXd mass = ref::window_mass(probs, Hkv);
+  for (long m : {32L, 33L, 40L, 64L, 99L}) {
+    INFO("m " << m);
+    const auto r = SnapKV{}.run(b.view(), Budget::tokens(m));
+    const auto want = ref::select(mass, {m, m}, 0, 32, 5, false, false);
+    for (long g = 0; g < Hkv; ++g) {
+      const std::vector<long> kept = kvc::test::to_long(r.heads[g].positions);
+      CHECK(kept == want[static_cast<std::size_t>(g)]);
+      REQUIRE(static_cast<long>(kept.size()) == m);
+      const std::vector<long> all = ref::contiguous_positions(n);
+      CHECK(std::vector<long>(kept.end() - 32, kept.end()) == std::vector<long>(all.end() - 32, all.end()));
+    }
+  }
+  // Below the window size the budget is all recent tokens.
+  const auto r = SnapKV{}.run(b.view(), Budget::tokens(10));
+  std::vector<long> last10;
+  for (long j = n - 10; j < n; ++j) last10.push_back(j);
+  CHECK(kvc::test::to_long(r.heads[0].positions) == last10);
+}

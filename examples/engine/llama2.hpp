@@ -2,7 +2,8 @@
 //
 // Contents: Config, Model (validated checkpoint loader), Tokenizer (tok*.bin loader, decode, greedy
 // BPE encode), Session (KV cache + RoPE position, forward, prefill recording the window queries,
-// compress hook), full_compressor(), sampling helpers (argmax, softmax, log_softmax, seeded
+// compress hook, extend: a batched multi-token step over a possibly compressed cache),
+// full_compressor(), sampling helpers (argmax, softmax, log_softmax, seeded
 // temperature sampling) and generate().
 //
 // Numerics follow the llama2.c reference: RMSNorm eps 1e-5, RoPE on interleaved pairs
@@ -653,9 +654,26 @@ class Session {
   /// 0, and returns the next-token logits (vocab). Throws std::out_of_range for a bad id and
   /// std::runtime_error when the cache is full or position() reached seq_len; nothing changes then.
   std::vector<float> forward(int token) {
-    std::vector<float> logits = run_block(&token, 1, /*window_row_of_first=*/-1, /*need_logits=*/true);
+    const MatRM logits = run_block(&token, 1, kNoWindowRows, LogitRows::kLast);
     window_valid_ = false;
-    return logits;
+    return row_vector(logits, 0);
+  }
+
+  /// Feeds `tokens` in one batched pass over the current cache, which may be compressed (its biases
+  /// apply): token t goes to slot len(layer) + t of every layer with bias 0, at RoPE position
+  /// position() + t, and attends to the existing cache plus tokens 0..t (causal). Returns the
+  /// next-token logits after every token ([tokens.size()][vocab]); equals calling forward() on each
+  /// token in turn, to float rounding. Records no window queries (a following compress() is refused).
+  /// Throws like forward() (bad id, cache full, seq_len reached) before anything is written. An empty
+  /// `tokens` returns no rows and changes nothing.
+  std::vector<std::vector<float>> extend(const std::vector<int>& tokens) {
+    const std::ptrdiff_t T = static_cast<std::ptrdiff_t>(tokens.size());
+    if (T == 0) return {};
+    const MatRM logits = run_block(tokens.data(), T, kNoWindowRows, LogitRows::kAll);
+    window_valid_ = false;
+    std::vector<std::vector<float>> out(static_cast<std::size_t>(T));
+    for (std::ptrdiff_t t = 0; t < T; ++t) out[static_cast<std::size_t>(t)] = row_vector(logits, t);
+    return out;
   }
 
   /// Runs `tokens` (non-empty) and returns the logits after the last one. Records, for every layer,
@@ -679,16 +697,16 @@ class Session {
     for (LayerState& s : layers_) s.queries.assign(static_cast<std::size_t>(c.n_heads * W * d_), 0.0f);
     window_ = W;
     window_valid_ = false;
-    std::vector<float> logits;
+    MatRM logits;
     if (batched) {
-      logits = run_block(tokens.data(), T, W - T, true);
+      logits = run_block(tokens.data(), T, W - T, LogitRows::kLast);
     } else {
       for (std::ptrdiff_t t = 0; t < T; ++t) {
-        logits = run_block(tokens.data() + t, 1, W - T + t, t + 1 == T);
+        logits = run_block(tokens.data() + t, 1, W - T + t, t + 1 == T ? LogitRows::kLast : LogitRows::kNone);
       }
     }
     window_valid_ = true;
-    return logits;
+    return row_vector(logits, 0);
   }
 
   /// The compressor's view of `layer` (requires window queries from a prefill() just before).
@@ -777,6 +795,15 @@ class Session {
     std::ptrdiff_t len = 0;
   };
 
+  /// Which rows' logits run_block() computes: none, the last token's, or every token's.
+  enum class LogitRows { kNone, kLast, kAll };
+  /// window_row_of_first value that records no window queries.
+  static constexpr std::ptrdiff_t kNoWindowRows = std::numeric_limits<std::ptrdiff_t>::min();
+
+  static std::vector<float> row_vector(const MatRM& m, Eigen::Index r) {
+    return std::vector<float>(m.row(r).data(), m.row(r).data() + m.cols());
+  }
+
   const LayerState& state(int layer) const {
     if (layer < 0 || layer >= static_cast<int>(layers_.size())) {
       throw std::out_of_range("kvc::engine: layer " + std::to_string(layer) + " outside [0, " +
@@ -827,9 +854,11 @@ class Session {
     y.noalias() = x * wm.transpose();
   }
 
-  /// Runs T tokens at positions pos_.. through all layers. Row t's query is recorded at window row
-  /// window_row_of_first + t when that lies in [0, window_). Returns the last row's logits if asked.
-  std::vector<float> run_block(const int* tokens, std::ptrdiff_t T, std::ptrdiff_t window_row_of_first, bool need_logits) {
+  /// Runs T >= 1 tokens at positions pos_.. through all layers, appending them at slots len.. with
+  /// bias 0 after whatever the cache holds (compressed or not). Row t's query is recorded at window
+  /// row window_row_of_first + t when that lies in [0, window_) (never for kNoWindowRows). Returns the
+  /// logits selected by `rows` as a (0, 1 or T) x vocab matrix. Validates before writing anything.
+  MatRM run_block(const int* tokens, std::ptrdiff_t T, std::ptrdiff_t window_row_of_first, LogitRows rows) {
     check_room(T);
     check_tokens(tokens, T);
     const Config& c = model_->config();
@@ -863,7 +892,7 @@ class Session {
           std::copy(v.row(t).data() + g * d, v.row(t).data() + (g + 1) * d, s.values.data() + g * head_stride() + slot * d);
           s.bias[static_cast<std::size_t>(g * capacity_ + slot)] = 0.0f;
         }
-        const std::ptrdiff_t wrow = window_row_of_first + t;
+        const std::ptrdiff_t wrow = window_row_of_first == kNoWindowRows ? -1 : window_row_of_first + t;
         if (wrow >= 0 && wrow < window_) {
           for (int h = 0; h < Hq; ++h) {
             std::copy(q.row(t).data() + h * d, q.row(t).data() + (h + 1) * d,
@@ -917,12 +946,12 @@ class Session {
     }
     for (LayerState& s : layers_) s.len += T;
     pos_ += T;
-    if (!need_logits) return {};
-    MatRM last = x.row(T - 1);
-    rmsnorm_rows(last, model_->rms_final(), xb);
     MatRM logits;
+    if (rows == LogitRows::kNone) return logits;
+    const MatRM hidden = rows == LogitRows::kAll ? x : MatRM(x.bottomRows(1));
+    rmsnorm_rows(hidden, model_->rms_final(), xb);
     linear(xb, model_->classifier(), c.vocab_size, logits);
-    return std::vector<float>(logits.data(), logits.data() + c.vocab_size);
+    return logits;
   }
 
   const Model* model_;

@@ -1,5 +1,4 @@
 // Tests of the engine's sampling helpers and bootstrap statistics (no model needed).
-#define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
 #include "../../examples/engine/eval.hpp"

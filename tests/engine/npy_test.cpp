@@ -1,5 +1,4 @@
 // Tests of examples/engine/npy.hpp (no model needed).
-#define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
 #include "../../examples/engine/npy.hpp"

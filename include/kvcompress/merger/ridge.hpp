@@ -30,7 +30,7 @@ namespace kvc {
 ///
 /// Cost per head and step, R = G·W rows, m kept, u = |U|, d head dimension:
 ///   value step O(R²·u + R³ + R·m·d); key step O(R·m·d) to linearise plus, per CG iteration, one JVP and
-///   one VJP of O(R·u·d) each (≈ two R×d×m products). Y costs one R×n×d product. Memory O(R·(n + m)).
+///   one VJP, each two (R×d×u) products (u <= m). Y costs one R×n×d product. Memory O(R·(n + m + d)).
 struct RidgeMerge {
   struct Arguments {
     double lambda_v = 1e-2;  ///< ridge weight of the value step (> 0)

@@ -1,51 +1,87 @@
-// Whole-pipeline benchmarks per preset on a Llama-3.1-8B layer shape (Hq 32, Hkv 8, d 128, W 32),
-// with x_gemm = time / time of the plain Eigen product Qw·K^T for the same layer, in the same run.
-#include <benchmark/benchmark.h>
-
-#include "../examples/synthetic_demo.hpp"
+// Whole-pipeline benchmarks per preset on the Llama-3.1-8B layer shape (Hq 32, Hkv 8, d 128, W 32) at
+// ratio 0.25: x_gemm = CPU time / CPU time of the plain Eigen product Qw·K^T for the same layer (same
+// process), tokens/s, peak extra heap memory of one run, CG iterations for GRKV; and 1 vs 2 threads.
+#include "bench_common.hpp"
 
 namespace {
 
-double gemm_seconds(const kvc::LayerView<float>& layer) {
-  // One plain product per KV head: (G·W, d) × (d, n).
-  const kvc::Index G = layer.group_size(), W = layer.window(), n = layer.tokens(), d = layer.head_dim();
-  kvc::RowMatrix<float> s(G * W, n);
-  double best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (kvc::Index g = 0; g < layer.kv_heads(); ++g) {
-      const auto q = kvc::gather_group_queries<float>(layer, g);
-      Eigen::Map<const kvc::RowMatrix<float>> k(layer.keys.row(g, 0), n, d);
-      s.noalias() = q * k.transpose();
-      benchmark::DoNotOptimize(s.data());
-    }
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
-}
+using namespace kvc;
+using namespace kvc::bench;
 
 template <class Preset>
 void BM_Pipeline(benchmark::State& state) {
-  const kvc::demo::SyntheticLayer synth(7, state.range(0));
-  const auto layer = synth.view();
-  const double gemm = gemm_seconds(layer);
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  gemm_seconds(n);  // measure the baseline before the first timed run
   Preset preset;
-  double total = 0.0;
+  double total = 0;
+  double peak_extra = 0;
+  double cg_iterations = 0;
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto r = preset.run(layer, kvc::Budget::ratio(0.25));
+    const std::size_t before = live_bytes();
+    reset_peak();
+    const double t0 = thread_seconds();
+    auto r = preset.run(layer, Budget::ratio(0.25));
+    const double t = thread_seconds() - t0;
     benchmark::DoNotOptimize(r.heads.data());
-    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    peak_extra = std::max(peak_extra, double(peak_bytes() - before));
+    double iters = 0;
+    for (const auto& h : r.heads) iters += double(h.diagnostics.cg_iterations);
+    cg_iterations = iters / double(r.heads.size());
+    total += t;
+    state.SetIterationTime(t);
   }
-  state.counters["tokens/s"] = benchmark::Counter(double(synth.tokens) * state.iterations(), benchmark::Counter::kIsRate);
-  state.counters["gemm_ms"] = gemm * 1e3;
-  state.counters["x_gemm"] = total / double(state.iterations()) / gemm;
+  set_layer_counters(state, n, total / double(state.iterations()));
+  state.counters["peak_extra_MB"] = peak_extra / 1e6;  // includes the returned result (m·d per head)
+  if (cg_iterations > 0) state.counters["cg_iters"] = cg_iterations;
+}
+
+/// The same pipeline with Arguments::threads = range(1), wall time. speedup = wall time of threads = 1
+/// (best of 2, measured in this benchmark) / this wall time.
+template <class Preset>
+void BM_PipelineThreads(benchmark::State& state) {
+  const Index n = state.range(0), threads = state.range(1);
+  const auto layer = layer_of(n).view();
+  typename Preset::Arguments args;
+  args.threads = 1;
+  double serial = 1e30;
+  for (int rep = 0; rep < 2; ++rep) {
+    const double t0 = wall_seconds();
+    auto r = Preset(args).run(layer, Budget::ratio(0.25));
+    benchmark::DoNotOptimize(r.heads.data());
+    serial = std::min(serial, wall_seconds() - t0);
+  }
+  args.threads = threads;
+  const Preset preset(args);
+  double best = 1e30;
+  for (auto _ : state) {
+    const double t0 = wall_seconds();
+    auto r = preset.run(layer, Budget::ratio(0.25));
+    benchmark::DoNotOptimize(r.heads.data());
+    const double t = wall_seconds() - t0;
+    best = std::min(best, t);
+    state.SetIterationTime(t);
+  }
+  state.counters["speedup"] = serial / best;
+  state.counters["serial_ms"] = serial * 1e3;
+}
+
+void thread_sizes(benchmark::internal::Benchmark* b) {
+  b->Args({4096, 2})->Args({32768, 2})->UseManualTime()->Unit(benchmark::kMillisecond);
 }
 
 }  // namespace
 
-BENCHMARK_TEMPLATE(BM_Pipeline, kvc::StreamingLLM)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SnapKV)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKV)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::StreamingLLM)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::KNorm)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SnapKV)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKVEvict)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKV)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKVMergeAll)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SnapKVGRKV)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKVEvictGRKV)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_PipelineThreads, kvc::SnapKV)->Apply(thread_sizes);
+BENCHMARK_TEMPLATE(BM_PipelineThreads, kvc::SelKV)->Apply(thread_sizes);
+BENCHMARK_TEMPLATE(BM_PipelineThreads, kvc::SnapKVGRKV)->Apply(thread_sizes);
 
 BENCHMARK_MAIN();

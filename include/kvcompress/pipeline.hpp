@@ -9,6 +9,10 @@
 //   Merger            K̃_g, Ṽ_g (m_g, d)        Drop / MergeAll / SoftGate / RidgeMerge
 //   Compensator       bias_g (m_g)             decode-time additive logit bias
 //   (optional) RoPE repositioning of the kept keys to 0..m−1
+//
+// Threads: serial by default. Arguments::threads > 1 runs the per-KV-head stages (window attention +
+// scoring, and route + merge + compensate) on that many std::threads; results are bit-identical for
+// any thread count (see parallel.hpp).
 #pragma once
 #ifndef KVC_INTERNAL_INCLUDE
 #define KVC_INTERNAL_INCLUDE
@@ -17,6 +21,7 @@
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 #include "kvcompress/detail/rows.hpp"
+#include "kvcompress/parallel.hpp"
 #include "kvcompress/policy.hpp"
 #include "kvcompress/result.hpp"
 #include "kvcompress/rope.hpp"
@@ -118,6 +123,7 @@ class Pipeline {
     typename Compensator::Arguments compensator{};
     RopeArguments reposition;  ///< off by default
     bool check_finite = true;  ///< scan K, V and the window queries for NaN/Inf (one read of each)
+    Index threads = 1;  ///< worker threads over KV heads; <= 1 = serial, no thread is created (parallel.hpp)
   };
 
   Pipeline() = default;
@@ -206,17 +212,18 @@ class Pipeline {
     const Index H = layer.kv_heads(), n = layer.tokens(), d = layer.head_dim();
 
     // 1. Window attention and scores, per KV head. mass[g]: (n), score[g]: (n)
+    //    scratch: one (G·W, n) workspace per worker, reused across its heads.
     std::vector<Vector<Real>> mass(H), score(H);
-    for (Index g = 0; g < H; ++g) {
+    std::vector<WindowWorkspace<Real>> scratch(kNeedsMass ? worker_count(H, args_.threads) : 0);
+    parallel_for(H, args_.threads, [&](Index g, Index worker) {
       if constexpr (kNeedsMass) {
-        RowMatrix<Real> probs;  // (G·W, n), freed at the end of the iteration
-        window_probabilities<Real>(layer, g, args_.attention, probs);
-        mass_from_probabilities(probs, layer.group_size(), mass[g]);
+        window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
       } else {
         mass[g].setZero(n);
       }
       scorer().score(layer, g, mass[g], score[g]);
-    }
+    });
+    scratch.clear();
 
     // 2. Selection. kept[g]: (m_g) ascending
     Selection<Real> sel;
@@ -226,7 +233,7 @@ class Pipeline {
     LayerResult<Real> result;
     result.heads.resize(H);
     result.shared_positions = sel.shared;
-    for (Index g = 0; g < H; ++g) {
+    parallel_for(H, args_.threads, [&](Index g, Index /*worker*/) {
       const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
       Routing routing;
       router().route(ctx, routing);  // π: (n − m_g) → kept index
@@ -247,7 +254,7 @@ class Pipeline {
       fill_counts(merged, out.diagnostics);
       out.keys = std::move(merged.keys);
       out.values = std::move(merged.values);
-    }
+    });
 
     // 4. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
     if (sel.shared && H > 1) {

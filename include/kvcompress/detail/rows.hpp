@@ -6,6 +6,7 @@
 #endif
 
 #include "kvcompress/core.hpp"
+#include "kvcompress/simd/kernels.hpp"
 
 namespace kvc::detail {
 
@@ -24,27 +25,25 @@ ConstRowsMap<Real> map_rows(const TensorView<const T>& v, Index h, Index first, 
 template <class Real, class T, class Derived>
 void gather_rows(const TensorView<const T>& v, Index h, Index first, Index count,
                  Eigen::MatrixBase<Derived>& out) {
-  for (Index j = 0; j < count; ++j) {
-    const T* src = v.row(h, first + j);
-    for (Index k = 0; k < v.dim; ++k) out(j, k) = to_real<Real>(src[k]);
-  }
+  using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+  for (Index j = 0; j < count; ++j)  // one vectorised copy / conversion per row
+    out.row(j) = Eigen::Map<const Row>(v.row(h, first + j), v.dim).template cast<Real>();
 }
 
 /// out (positions.size(), dim) <- rows at the given positions of head h, converted to Real.
 template <class Real, class T, class Positions, class Derived>
 void gather_positions(const TensorView<const T>& v, Index h, const Positions& positions,
                       Eigen::MatrixBase<Derived>& out) {
+  using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
   Index r = 0;
-  for (Index p : positions) {
-    const T* src = v.row(h, p);
-    for (Index k = 0; k < v.dim; ++k) out(r, k) = to_real<Real>(src[k]);
-    ++r;
-  }
+  for (Index p : positions) out.row(r++) = Eigen::Map<const Row>(v.row(h, p), v.dim).template cast<Real>();
 }
 
-/// Euclidean norm of one row, in Real.
+/// Euclidean norm of one row, in Real (SIMD for float arithmetic, a serial loop for double).
 template <class Real, class T>
 Real row_norm(const T* x, Index d) {
+  if constexpr (std::is_same_v<Real, float> && !std::is_same_v<T, double>)
+    return simd::norm<simd::default_arch>(x, d);
   Real s = 0;
   for (Index k = 0; k < d; ++k) {
     const Real v = to_real<Real>(x[k]);

@@ -6,6 +6,7 @@
 
 #include "kvcompress/core.hpp"
 #include "kvcompress/policy.hpp"
+#include "kvcompress/simd/kernels.hpp"
 
 #include <algorithm>
 #include <vector>
@@ -23,6 +24,8 @@ Real mass_floor(const Vector<Real>& mass) {
 /// cos(x, y) with 0 for a zero-norm vector.
 template <class Real, class T>
 Real cosine(const T* x, const T* y, Index d) {
+  if constexpr (std::is_same_v<Real, float> && !std::is_same_v<T, double>)
+    return simd::cosine<simd::default_arch>(x, y, d);
   Real xy = 0, xx = 0, yy = 0;
   for (Index k = 0; k < d; ++k) {
     const Real a = to_real<Real>(x[k]), b = to_real<Real>(y[k]);
@@ -78,7 +81,10 @@ struct GatedMerge {
       if (w <= Real(0)) continue;
       added[i] += w;
       const T* vj = ctx.value(j);
-      for (Index k = 0; k < d; ++k) num(i, k) += w * to_real<Real>(vj[k]);
+      if constexpr (std::is_same_v<Real, float>)
+        simd::axpy<simd::default_arch>(w, vj, num.row(i).data(), d);
+      else
+        for (Index k = 0; k < d; ++k) num(i, k) += w * to_real<Real>(vj[k]);
     }
     for (Index i = 0; i < m; ++i) {
       if (added[i] <= Real(0)) continue;

@@ -1,0 +1,145 @@
+// Shared pieces of the benchmark suite: the Llama-3.1-8B layer shape, timers, the plain-GEMM baseline
+// every stage is divided by (x_gemm), the peak-FMA and streaming-bandwidth probes, and the allocation
+// tracker (alloc_tracker.cpp) that measures peak extra memory.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include "../examples/synthetic_demo.hpp"
+
+#include <kvcompress/kvcompress.hpp>
+#include <kvcompress/parallel.hpp>
+#include <kvcompress/simd/kernels.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <ctime>
+#include <map>
+#include <memory>
+#include <vector>
+
+namespace kvc::bench {
+
+// ---- timers -------------------------------------------------------------------------------------------
+// Single-thread benchmarks report the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID) as their
+// iteration time: the machine is shared, and CPU time is what a stage costs. Threaded benchmarks report
+// wall time (the only time that shows a speedup).
+
+inline double thread_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+inline double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---- the layer ------------------------------------------------------------------------------------------
+// Llama-3.1-8B: Hq 32, Hkv 8, d 128, W 32 (examples/synthetic_demo.hpp's defaults), one per n, cached.
+inline const demo::SyntheticLayer& layer_of(Index n) {
+  static std::map<Index, std::unique_ptr<demo::SyntheticLayer>> cache;
+  auto& slot = cache[n];
+  if (!slot) slot = std::make_unique<demo::SyntheticLayer>(7, n);
+  return *slot;
+}
+
+/// FLOPs of the unavoidable product of one layer: Hkv · (G·W × d × n) multiply-adds.
+inline double layer_gemm_flops(const LayerView<float>& layer) {
+  return 2.0 * double(layer.query_heads()) * double(layer.window()) * double(layer.head_dim()) *
+         double(layer.tokens());
+}
+
+/// CPU seconds of the plain Eigen product Qw·K^T for the whole layer (one (G·W, d)×(d, n) per KV head),
+/// best of 5, measured once per n in this process: the denominator of every x_gemm.
+inline double gemm_seconds(Index n) {
+  static std::map<Index, double> cache;
+  auto it = cache.find(n);
+  if (it != cache.end()) return it->second;
+  const auto layer = layer_of(n).view();
+  const Index G = layer.group_size(), W = layer.window(), d = layer.head_dim();
+  RowMatrix<float> s(G * W, n);
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = thread_seconds();
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      const RowMatrix<float> q = gather_group_queries<float>(layer, g);
+      Eigen::Map<const RowMatrix<float>> k(layer.keys.row(g, 0), n, d);
+      s.noalias() = q * k.transpose();
+      benchmark::DoNotOptimize(s.data());
+    }
+    best = std::min(best, thread_seconds() - t0);
+  }
+  return cache[n] = best;
+}
+
+/// Peak single-core float FMA throughput (GFLOP/s) of the compiled architecture: 12 independent
+/// accumulator chains of simd::fbatch FMAs, best of 5 (measured once per process).
+inline double peak_gflops() {
+  static double peak = 0.0;
+  if (peak > 0.0) return peak;
+  using A = simd::default_arch;
+  using B = simd::fbatch<A>;
+  constexpr int chains = 12;
+  const long iters = 4'000'000;
+  for (int rep = 0; rep < 5; ++rep) {
+    B acc[chains];
+    for (int c = 0; c < chains; ++c) acc[c] = B(float(c) * 1e-3f);
+    const B x(0.999999f), y(1e-7f);
+    const double t0 = thread_seconds();
+    for (long i = 0; i < iters; ++i)
+      for (int c = 0; c < chains; ++c) acc[c] = xsimd::fma(acc[c], x, y);
+    const double t = thread_seconds() - t0;
+    float sink = 0;
+    for (int c = 0; c < chains; ++c) sink += simd::reduce_add<A>(acc[c]);
+    benchmark::DoNotOptimize(sink);
+    peak = std::max(peak, 2.0 * double(B::size) * chains * double(iters) / t * 1e-9);
+  }
+  return peak;
+}
+
+/// Streaming read bandwidth (bytes/s) of one core: a SIMD sum over `bytes` of float data, best of 3.
+inline double stream_bytes_per_second(std::size_t bytes) {
+  static std::map<std::size_t, double> cache;
+  auto it = cache.find(bytes);
+  if (it != cache.end()) return it->second;
+  using A = simd::default_arch;
+  using B = simd::fbatch<A>;
+  std::vector<float> buf(bytes / sizeof(float), 1.0f);
+  double best = 0.0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = thread_seconds();
+    B a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+    const std::size_t S = B::size;
+    for (std::size_t i = 0; i + 4 * S <= buf.size(); i += 4 * S) {
+      a0 += B::load_unaligned(&buf[i]);
+      a1 += B::load_unaligned(&buf[i + S]);
+      a2 += B::load_unaligned(&buf[i + 2 * S]);
+      a3 += B::load_unaligned(&buf[i + 3 * S]);
+    }
+    const float sum = simd::reduce_add<A>(a0 + a1 + a2 + a3);
+    benchmark::DoNotOptimize(sum);
+    best = std::max(best, double(bytes) / (thread_seconds() - t0));
+  }
+  return cache[bytes] = best;
+}
+
+// ---- memory -----------------------------------------------------------------------------------------
+// alloc_tracker.cpp wraps malloc/free (glibc) and keeps the live and peak byte counts.
+std::size_t live_bytes();
+std::size_t peak_bytes();
+void reset_peak();  ///< peak := live
+
+/// n = 4096, 32768, 131072 with manual (CPU or wall) time in milliseconds.
+inline void layer_sizes(benchmark::internal::Benchmark* b) {
+  b->Arg(4096)->Arg(32768)->Arg(131072)->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+
+/// Registers the common counters of a layer-sized benchmark.
+inline void set_layer_counters(benchmark::State& state, Index n, double seconds_per_iter) {
+  state.counters["tokens/s"] = benchmark::Counter(double(n) / seconds_per_iter);
+  state.counters["gemm_ms"] = gemm_seconds(n) * 1e3;
+  state.counters["x_gemm"] = seconds_per_iter / gemm_seconds(n);
+}
+
+}  // namespace kvc::bench

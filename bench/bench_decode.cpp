@@ -1,0 +1,70 @@
+// Decode attention (one step, Hq 32 query heads, Hkv 8, d 128) over a full cache of n entries and over a
+// 25% cache (m = n/4) with a compensation bias: speedup_vs_full = full time / compressed time, measured
+// in the same benchmark; bytes/s of the compressed decode (K and V read once) and its fraction of the
+// streaming-sum probe over the same number of bytes.
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace kvc;
+using namespace kvc::bench;
+
+template <class T>
+struct DecodeCache {
+  std::vector<T> keys, values;
+  Index heads = 8, tokens = 0, dim = 128;
+  DecodeCache(const demo::SyntheticLayer& layer, Index t) : tokens(t) {
+    keys.resize(std::size_t(heads * t * dim));
+    values.resize(keys.size());
+    for (Index g = 0; g < heads; ++g)
+      for (Index j = 0; j < t; ++j)
+        for (Index c = 0; c < dim; ++c) {
+          const std::size_t src = std::size_t((g * layer.tokens + j) * dim + c), dst = std::size_t((g * t + j) * dim + c);
+          keys[dst] = T(layer.keys[src]);
+          values[dst] = T(layer.values[src]);
+        }
+  }
+  TensorView<const T> k() const { return make_head_major<const T>(keys.data(), heads, tokens, dim); }
+  TensorView<const T> v() const { return make_head_major<const T>(values.data(), heads, tokens, dim); }
+};
+
+template <class T>
+double decode_seconds(const RowMatrix<float>& q, const DecodeCache<T>& cache, const BiasView<float>& bias, int reps) {
+  RowMatrix<float> out;
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = thread_seconds();
+    decode_attention<T>(q, cache.k(), cache.v(), bias, AttentionArguments{}, out);
+    benchmark::DoNotOptimize(out.data());
+    best = std::min(best, thread_seconds() - t0);
+  }
+  return best;
+}
+
+template <class T>
+void BM_Decode(benchmark::State& state) {
+  const Index n = state.range(0), m = n / 4;
+  const auto& layer = layer_of(n);
+  const DecodeCache<T> full(layer, n), compressed(layer, m);
+  const RowMatrix<float> q = RowMatrix<float>::Random(32, 128);
+  const RowMatrix<float> bias_data = RowMatrix<float>::Random(8, m).cwiseAbs();
+  const BiasView<float> bias{bias_data.data(), 8, m, m};
+  const double full_s = decode_seconds(q, full, BiasView<float>{}, 3);
+  double best = 1e30;
+  for (auto _ : state) {
+    const double t = decode_seconds(q, compressed, bias, 1);
+    best = std::min(best, t);
+    state.SetIterationTime(t);
+  }
+  const double bytes = 2.0 * double(8 * m * 128) * sizeof(T);
+  state.counters["speedup_vs_full"] = full_s / best;
+  state.counters["full_ms"] = full_s * 1e3;
+  state.counters["bytes/s"] = bytes / best;
+  state.counters["frac_stream"] = bytes / best / stream_bytes_per_second(std::size_t(bytes));
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(BM_Decode, float)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Decode, Eigen::half)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Decode, Eigen::bfloat16)->Apply(kvc::bench::layer_sizes);

@@ -1,0 +1,193 @@
+// Per-stage benchmarks on the Llama-3.1-8B layer shape, each with x_gemm (its CPU time over the plain
+// Eigen Qw·K^T of the same layer, measured in this process) and tokens/s; plus the probes.
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace kvc;
+using namespace kvc::bench;
+
+/// The plain product itself: x_gemm = 1 by construction; reports GFLOP/s and its fraction of peak.
+void BM_Gemm(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  for (auto _ : state) state.SetIterationTime(gemm_seconds(n));
+  set_layer_counters(state, n, gemm_seconds(n));
+  state.counters["GFLOP/s"] = layer_gemm_flops(layer) / gemm_seconds(n) * 1e-9;
+  state.counters["frac_peak"] = layer_gemm_flops(layer) / gemm_seconds(n) * 1e-9 / peak_gflops();
+}
+
+/// Peak FMA probe (GFLOP/s of one core for the compiled architecture).
+void BM_PeakFma(benchmark::State& state) {
+  for (auto _ : state) state.SetIterationTime(1e-3);
+  state.counters["GFLOP/s"] = peak_gflops();
+  state.counters["lanes"] = double(simd::fbatch<simd::default_arch>::size);
+}
+
+/// Stage 1 of the pipeline for all KV heads: window attention mass a_g (fused product + causal softmax +
+/// column sums). frac_peak = the product's FLOPs / time / peak FMA: how close product+softmax gets to the
+/// machine's FMA peak.
+void BM_WindowMass(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  WindowWorkspace<float> ws;
+  Vector<float> mass;
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      window_mass<float>(layer, g, AttentionArguments{}, mass, ws);
+      benchmark::DoNotOptimize(mass.data());
+    }
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  const double per = total / double(state.iterations());
+  set_layer_counters(state, n, per);
+  state.counters["frac_peak"] = layer_gemm_flops(layer) / per * 1e-9 / peak_gflops();
+  state.counters["workspace_MB"] = double(ws.bytes()) / 1e6;
+}
+
+/// Full probabilities (what GRKV and the co-attention router read), all heads.
+void BM_WindowProbabilities(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  RowMatrix<float> probs;
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      window_probabilities<float>(layer, g, AttentionArguments{}, probs);
+      benchmark::DoNotOptimize(probs.data());
+    }
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  set_layer_counters(state, n, total / double(state.iterations()));
+}
+
+/// Scorers over all KV heads (ValueWeighted reads V once; KeyNorm reads K once).
+template <class Scorer>
+void BM_Score(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const Vector<float> mass = Vector<float>::Constant(n, 1.0f / float(n));
+  Vector<float> out;
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      Scorer{}.score(layer, g, mass, out);
+      benchmark::DoNotOptimize(out.data());
+    }
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  const double per = total / double(state.iterations());
+  set_layer_counters(state, n, per);
+  state.counters["bytes/s"] = double(layer.kv_heads() * n * layer.head_dim() * 4) / per;
+}
+
+/// Selector (pooling + top-k) for all KV heads at ratio 0.25, per head (SnapKV) and shared (SelKV).
+template <Granularity Gr>
+void BM_Select(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  std::vector<Vector<float>> scores(layer.kv_heads());
+  for (auto& s : scores) s = Vector<float>::Random(n).cwiseAbs();
+  const std::vector<Index> budgets(layer.kv_heads(), n / 4);
+  TopK<0, 32, 5, Gr> sel;
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    Selection<float> out;
+    sel.select(scores, budgets, out);
+    benchmark::DoNotOptimize(out.kept.data());
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  set_layer_counters(state, n, total / double(state.iterations()));
+}
+
+/// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
+/// all KV heads, with the selection and mass computed once outside the timing.
+void BM_RouteMergeCompensate(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const Index H = layer.kv_heads(), d = layer.head_dim();
+  std::vector<Vector<float>> mass(H), score(H);
+  WindowWorkspace<float> ws;
+  for (Index g = 0; g < H; ++g) {
+    window_mass<float>(layer, g, AttentionArguments{}, mass[g], ws);
+    ValueWeighted{}.score(layer, g, mass[g], score[g]);
+  }
+  Selection<float> sel;
+  TopK<0, 16, 5, Granularity::shared>{}.select(score, std::vector<Index>(H, n / 4), sel);
+  const AttentionArguments att;
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    for (Index g = 0; g < H; ++g) {
+      const HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
+      Routing routing;
+      BucketRouter<32>{}.route(ctx, routing);
+      MergeOutput<float> merged;
+      merged.keys.resize(Index(sel.kept[g].size()), d);
+      merged.values.resize(Index(sel.kept[g].size()), d);
+      detail::gather_positions<float>(layer.keys, g, sel.kept[g], merged.keys);
+      detail::gather_positions<float>(layer.values, g, sel.kept[g], merged.values);
+      SoftGate{}.merge(ctx, routing, merged);
+      Vector<float> bias;
+      AttentionRatio{}.compensate(ctx, routing, merged, bias);
+      benchmark::DoNotOptimize(bias.data());
+    }
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  set_layer_counters(state, n, total / double(state.iterations()));
+}
+
+/// Pipeline::validate's input scan (shapes + NaN/Inf in K, V and the window queries; core.hpp), the
+/// fixed cost every preset pays with the default check_finite = true.
+void BM_ValidateLayer(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    benchmark::DoNotOptimize(validate_layer(layer, true).is_ok());
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  set_layer_counters(state, n, total / double(state.iterations()));
+}
+
+/// Streaming-sum bandwidth probe over the bytes of a whole layer's K and V at this n (the decode
+/// benchmark's reference).
+void BM_StreamSum(benchmark::State& state) {
+  const Index n = state.range(0);
+  const std::size_t bytes = std::size_t(2 * 8 * n * 128) * sizeof(float);
+  const double bps = stream_bytes_per_second(bytes);
+  for (auto _ : state) state.SetIterationTime(double(bytes) / bps);
+  state.counters["bytes/s"] = bps;
+}
+
+}  // namespace
+
+BENCHMARK(BM_PeakFma)->UseManualTime();
+BENCHMARK(BM_Gemm)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_WindowMass)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_WindowProbabilities)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Score, kvc::ValueWeighted)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Score, kvc::KeyNorm)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::per_head)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_RouteMergeCompensate)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_ValidateLayer)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_StreamSum)->Apply(kvc::bench::layer_sizes);

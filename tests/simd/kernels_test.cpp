@@ -1,0 +1,237 @@
+// simd/ kernels against serial double loops over awkward sizes around the vector width, misaligned
+// offsets, and float / half / bfloat16 inputs, for the default architecture and a narrower one.
+#include <catch2/catch.hpp>
+
+#include <kvcompress/simd/kernels.hpp>
+
+#include "support/random.hpp"
+
+#include <Eigen/Core>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace {
+
+namespace simd = kvc::simd;
+
+// Relative accuracy expected of a float kernel of length len against double on the same (rounded)
+// inputs: a few ulp per term, growing like len for the serial tails (generous, still ~1e-5 at 130).
+double float_bound(long len) { return 8e-7 * (4.0 + double(len)); }
+
+const std::vector<long> kSizes = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 130, 257};
+const std::vector<long> kOffsets = {0, 1, 3};  // elements of misalignment
+
+template <class T>
+std::vector<T> random_row(std::mt19937_64& rng, long len, double scale = 1.0) {
+  std::normal_distribution<double> normal(0.0, scale);
+  std::vector<T> v(static_cast<std::size_t>(len));
+  for (auto& x : v) x = T(static_cast<float>(normal(rng)));
+  return v;
+}
+
+template <class T>
+double as_double(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+
+template <class A, class T>
+void check_row_kernels(std::mt19937_64& rng) {
+  for (long len : kSizes)
+    for (long off : kOffsets) {
+      INFO("arch " << A::name() << " len " << len << " offset " << off);
+      const auto xs = random_row<float>(rng, len + off);
+      const auto ys = random_row<T>(rng, len + off);
+      const float* x = xs.data() + off;
+      const T* y = ys.data() + off;
+      double dot = 0, yy = 0, xy_abs = 0;
+      for (long k = 0; k < len; ++k) {
+        dot += double(x[k]) * as_double(y[k]);
+        xy_abs += std::abs(double(x[k]) * as_double(y[k]));
+        yy += as_double(y[k]) * as_double(y[k]);
+      }
+      CHECK(std::abs(simd::dot<A>(x, y, len) - dot) <= float_bound(len) * xy_abs);
+      CHECK(std::abs(simd::sum_squares<A>(y, len) - yy) <= float_bound(len) * yy);
+      CHECK(std::abs(simd::norm<A>(y, len) - std::sqrt(yy)) <= float_bound(len) * std::sqrt(yy));
+
+      // cosine of y against itself shifted: compare with double.
+      const auto zs = random_row<T>(rng, len + off);
+      const T* z = zs.data() + off;
+      double yz = 0, zz = 0, yz_abs = 0;
+      for (long k = 0; k < len; ++k) {
+        yz += as_double(y[k]) * as_double(z[k]);
+        yz_abs += std::abs(as_double(y[k]) * as_double(z[k]));
+        zz += as_double(z[k]) * as_double(z[k]);
+      }
+      const double cos_want = yz / (std::sqrt(yy) * std::sqrt(zz));
+      CHECK(std::abs(simd::cosine<A>(y, z, len) - cos_want) <=
+            float_bound(len) * (1.0 + yz_abs / (std::sqrt(yy) * std::sqrt(zz))));
+
+      // axpy: y_out = acc + w·y, elementwise.
+      std::vector<float> acc(static_cast<std::size_t>(len + off), 0.5f);
+      simd::axpy<A>(0.75f, y, acc.data() + off, len);
+      for (long k = 0; k < len; ++k)
+        CHECK(std::abs(acc[std::size_t(off + k)] - (0.5 + 0.75 * as_double(y[k]))) <=
+              1e-6 * (1.0 + std::abs(as_double(y[k]))));
+      for (long k = 0; k < off; ++k) CHECK(acc[std::size_t(k)] == 0.5f);  // nothing written before
+    }
+}
+
+template <class A>
+void check_softmax_kernels(std::mt19937_64& rng) {
+  for (long len : kSizes)
+    for (long off : kOffsets) {
+      INFO("arch " << A::name() << " len " << len << " offset " << off);
+      auto xs = random_row<float>(rng, len + off, 4.0);
+      float* x = xs.data() + off;
+      const std::vector<float> orig(x, x + len);
+      double mx = -1e300;
+      for (float v : orig) mx = std::max(mx, double(v));
+      CHECK(simd::max<A>(x, len) == static_cast<float>(mx));
+      const float sum = simd::exp_shift_sum<A>(x, len, static_cast<float>(mx));
+      double want_sum = 0;
+      for (long k = 0; k < len; ++k) {
+        const double want = std::exp(double(orig[std::size_t(k)]) - mx);
+        want_sum += want;
+        // the float subtraction x − max rounds by up to |x − max|·2^-24, which e^(.) turns into a relative error
+        const double arg = std::abs(double(orig[std::size_t(k)]) - mx);
+        CHECK(std::abs(x[k] - want) <= (3e-7 + 1.2e-7 * arg) * want);
+      }
+      CHECK(std::abs(sum - want_sum) <= float_bound(len) * want_sum);
+      // divide
+      simd::divide<A>(x, sum, len);
+      double total = 0;
+      for (long k = 0; k < len; ++k) total += x[k];
+      CHECK(std::abs(total - 1.0) <= float_bound(len));
+    }
+}
+
+template <class A>
+void check_exp() {
+  using B = simd::fbatch<A>;
+  double worst = 0;
+  for (float v = -87.0f; v <= 88.0f; v += 0.01237f) {
+    const double want = std::exp(double(v));
+    worst = std::max(worst, std::abs(double(simd::exp<A>(B(v)).get(0)) - want) / want);
+  }
+  INFO("arch " << A::name() << " worst relative error " << worst);
+  CHECK(worst <= 2.0 * 0x1p-24);
+  CHECK(simd::exp<A>(B(-100.0f)).get(0) == 0.0f);
+  CHECK(simd::exp<A>(B(0.0f)).get(0) == 1.0f);
+}
+
+/// The causal tile epilogue over several tiles reproduces softmax rows computed in double.
+template <class A>
+void check_softmax_tile(std::mt19937_64& rng) {
+  for (long cols : {1L, 7L, 9L, 33L, 130L})
+    for (long tile : {1L, 8L, 17L, 64L}) {
+      INFO("arch " << A::name() << " cols " << cols << " tile " << tile);
+      const long rows = 5;
+      std::vector<long> visible(rows);
+      for (long r = 0; r < rows; ++r) visible[std::size_t(r)] = std::max(1L, cols - (rows - 1 - r) * 2);
+      auto logits = random_row<float>(rng, rows * cols, 3.0);
+      const std::vector<float> orig = logits;
+      std::vector<float> row_max(rows, -std::numeric_limits<float>::infinity()), row_sum(rows, 0.0f);
+      const long tiles = (cols + tile - 1) / tile;
+      std::vector<float> shift(std::size_t(rows * tiles));
+      std::vector<simd::Index> live(static_cast<std::size_t>(rows));
+      for (long t = 0; t < tiles; ++t) {
+        const long j0 = t * tile, cnt = std::min(tile, cols - j0);
+        for (long r = 0; r < rows; ++r) live[std::size_t(r)] = visible[std::size_t(r)] - j0;
+        simd::softmax_tile<A>(logits.data() + j0, cols, rows, cnt, live.data(), 0.0f, row_max.data(),
+                              row_sum.data(), shift.data() + t * rows);
+      }
+      for (long r = 0; r < rows; ++r) {
+        double mx = -1e300, z = 0;
+        for (long j = 0; j < visible[std::size_t(r)]; ++j) mx = std::max(mx, double(orig[std::size_t(r * cols + j)]));
+        for (long j = 0; j < visible[std::size_t(r)]; ++j) z += std::exp(double(orig[std::size_t(r * cols + j)]) - mx);
+        for (long j = 0; j < cols; ++j) {
+          const long t = j / tile;
+          const double got = double(logits[std::size_t(r * cols + j)]) *
+                             std::exp(double(shift[std::size_t(t * rows + r)]) - double(row_max[std::size_t(r)])) /
+                             double(row_sum[std::size_t(r)]);
+          const double want = j < visible[std::size_t(r)] ? std::exp(double(orig[std::size_t(r * cols + j)]) - mx) / z : 0.0;
+          const double arg = j < visible[std::size_t(r)] ? std::abs(double(orig[std::size_t(r * cols + j)]) - mx) : 0.0;
+          CHECK(std::abs(got - want) <= (2e-6 + 1.2e-7 * arg) * want + 1e-30);
+        }
+      }
+    }
+}
+
+/// dot_rows / axpy_rows: several query rows against one key row, one value row into several outputs.
+template <class A, class T>
+void check_multi_row(std::mt19937_64& rng) {
+  for (long count : {1L, 3L, 4L, 5L, 8L})
+    for (long d : {1L, 7L, 8L, 9L, 33L, 128L}) {
+      INFO("arch " << A::name() << " rows " << count << " d " << d);
+      const auto q = random_row<float>(rng, count * d + 1);
+      const auto k = random_row<T>(rng, d + 1);
+      std::vector<float> out(static_cast<std::size_t>(count));
+      simd::dot_rows<A>(q.data() + 1, d, count, k.data() + 1, d, out.data());
+      for (long h = 0; h < count; ++h) {
+        double want = 0, mag = 0;
+        for (long c = 0; c < d; ++c) {
+          want += double(q[std::size_t(1 + h * d + c)]) * as_double(k[std::size_t(1 + c)]);
+          mag += std::abs(double(q[std::size_t(1 + h * d + c)]) * as_double(k[std::size_t(1 + c)]));
+        }
+        CHECK(std::abs(out[std::size_t(h)] - want) <= float_bound(d) * mag);
+      }
+      std::vector<float> w = {0.5f, -1.25f, 2.0f, 0.125f, -0.75f, 1.5f, 3.0f, -2.0f};
+      std::vector<float> y(std::size_t(count * d), 1.0f);
+      simd::axpy_rows<A>(w.data(), 1, count, k.data() + 1, d, y.data(), d);
+      for (long h = 0; h < count; ++h)
+        for (long c = 0; c < d; ++c) {
+          const double want = 1.0 + double(w[std::size_t(h)]) * as_double(k[std::size_t(1 + c)]);
+          CHECK(std::abs(y[std::size_t(h * d + c)] - want) <= 1e-6 * (1.0 + std::abs(want)));
+        }
+    }
+}
+
+template <class A>
+void check_all_types(std::mt19937_64& rng) {
+  check_row_kernels<A, float>(rng);
+  check_row_kernels<A, Eigen::half>(rng);
+  check_row_kernels<A, Eigen::bfloat16>(rng);
+  check_softmax_kernels<A>(rng);
+  check_exp<A>();
+  check_softmax_tile<A>(rng);
+  check_multi_row<A, float>(rng);
+  check_multi_row<A, Eigen::half>(rng);
+  check_multi_row<A, Eigen::bfloat16>(rng);
+}
+
+}  // namespace
+
+TEST_CASE("simd kernels match double loops on the default architecture", "[simd]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(501);
+  check_all_types<simd::default_arch>(rng);
+}
+
+#if XSIMD_WITH_SSE2
+TEST_CASE("simd kernels match double loops on SSE2 (narrower batches)", "[simd]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(502);
+  check_all_types<xsimd::sse2>(rng);
+}
+#endif
+
+TEST_CASE("half and bfloat16 loads convert exactly", "[simd]") {
+  using A = simd::default_arch;
+  constexpr long S = simd::fbatch<A>::size;
+  std::vector<Eigen::half> h(S + 3);
+  std::vector<Eigen::bfloat16> b(S + 3);
+  for (long i = 0; i < S + 3; ++i) {
+    h[std::size_t(i)] = Eigen::half(float(i) * 0.37f - 2.0f);
+    b[std::size_t(i)] = Eigen::bfloat16(float(i) * -1.91f + 0.5f);
+  }
+  for (long off = 0; off < 3; ++off) {
+    const auto hb = simd::load<A>(h.data() + off);
+    const auto bb = simd::load<A>(b.data() + off);
+    for (long i = 0; i < S; ++i) {
+      CHECK(hb.get(std::size_t(i)) == static_cast<float>(h[std::size_t(off + i)]));
+      CHECK(bb.get(std::size_t(i)) == static_cast<float>(b[std::size_t(off + i)]));
+    }
+  }
+}

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/bridge.hpp"
+#include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/reference.hpp"
 #include "support/tolerances.hpp"
@@ -14,6 +15,7 @@
 #include <vector>
 
 using namespace kvc;
+using kvc::test::complement;
 using kvc::test::kTol;
 using kvc::test::Layout;
 
@@ -49,15 +51,6 @@ struct RefResult {
   std::vector<ref::CompressedHead> heads;
   std::vector<std::vector<double>> gates;  // per head, at the evicted positions (ascending)
 };
-
-std::vector<long> complement(const std::vector<long>& kept, long n) {
-  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
-  for (long i : kept) is_kept[static_cast<std::size_t>(i)] = 1;
-  std::vector<long> out;
-  for (long j = 0; j < n; ++j)
-    if (!is_kept[static_cast<std::size_t>(j)]) out.push_back(j);
-  return out;
-}
 
 /// m: per-head budgets, already clamped to n.
 RefResult ref_run(const ref::Tensor3& K, const ref::Tensor3& V, const ref::Tensor3& Q, const std::vector<long>& m,
@@ -126,15 +119,9 @@ void check_result(const LayerResult<Real>& got, const RefResult& want, const kvc
   }
 }
 
-struct Data {
-  long Hkv = 2, Hq = 4, n = 100, d = 16, W = 8;
-  std::mt19937_64 rng;
-  ref::Tensor3 K, V, Q;
-  explicit Data(std::uint64_t stream, long n_ = 100) : n(n_), rng(kvc::test::make_rng(stream)) {
-    K = kvc::test::random_tensor(rng, Hkv, n, d);
-    V = kvc::test::random_tensor(rng, Hkv, n, d);
-    Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
-  }
+/// 2 KV heads, 4 query heads, n tokens (100 by default), d = 16, W = 8.
+struct Data : kvc::test::HeadData {
+  explicit Data(std::uint64_t stream, long n_ = 100) : HeadData(stream, 2, 4, n_) {}
 };
 
 struct BudgetCase {

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/bridge.hpp"
+#include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/reference.hpp"
 #include "support/tolerances.hpp"
@@ -14,60 +15,16 @@
 #include <vector>
 
 using namespace kvc;
+using kvc::test::complement;
 using kvc::test::kTol;
 using kvc::test::Layout;
+using kvc::test::library_mass;
+using kvc::test::random_subset;
+using kvc::test::routing_from;
 
 namespace {
 
-std::vector<Index> complement(const std::vector<Index>& kept, Index n) {
-  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
-  for (Index i : kept) is_kept[static_cast<std::size_t>(i)] = 1;
-  std::vector<Index> out;
-  for (Index j = 0; j < n; ++j)
-    if (!is_kept[static_cast<std::size_t>(j)]) out.push_back(j);
-  return out;
-}
-
-std::vector<Index> random_subset(std::mt19937_64& rng, Index n, Index count) {
-  std::vector<Index> all(static_cast<std::size_t>(n));
-  for (Index j = 0; j < n; ++j) all[static_cast<std::size_t>(j)] = j;
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<std::size_t>(count));
-  std::sort(all.begin(), all.end());
-  return all;
-}
-
-template <class T>
-Vector<compute_t<T>> library_mass(const LayerView<T>& layer, Index g) {
-  using Real = compute_t<T>;
-  RowMatrix<Real> probs;
-  window_probabilities<Real>(layer, g, AttentionArguments{}, probs);
-  Vector<Real> mass;
-  mass_from_probabilities(probs, layer.group_size(), mass);
-  return mass;
-}
-
-/// Routing (indices into kept) from a reference route (n entries, kept positions).
-Routing routing_from(const std::vector<long>& route, const std::vector<Index>& kept,
-                     const std::vector<Index>& evicted) {
-  Routing r;
-  for (Index j : evicted)
-    r.target.push_back(std::lower_bound(kept.begin(), kept.end(), route[static_cast<std::size_t>(j)]) - kept.begin());
-  return r;
-}
-
-struct Data {
-  long Hkv = 2, Hq = 4, n = 96, d = 16, W = 8;
-  std::mt19937_64 rng;
-  ref::Tensor3 K, V, Q;
-  Data(std::uint64_t stream, long Hkv_ = 2, long Hq_ = 4, long n_ = 96)
-      : Hkv(Hkv_), Hq(Hq_), n(n_), rng(kvc::test::make_rng(stream)) {
-    K = kvc::test::random_tensor(rng, Hkv, n, d);
-    V = kvc::test::random_tensor(rng, Hkv, n, d);
-    Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
-  }
-  double scale() const { return 1.0 / std::sqrt(double(d)); }
-};
+using Data = kvc::test::HeadData;
 
 /// The SelKV-style reference chain (ValueWeighted, TopK<0, recent, 5>, key-cosine routing, merge,
 /// compensation) on the stored values; returns per head the kept positions and the per-head bias

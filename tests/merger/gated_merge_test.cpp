@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/bridge.hpp"
+#include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/reference.hpp"
 #include "support/tolerances.hpp"
@@ -14,38 +15,14 @@
 #include <vector>
 
 using namespace kvc;
+using kvc::test::complement;
 using kvc::test::kTol;
 using kvc::test::Layout;
+using kvc::test::library_mass;
+using kvc::test::random_subset;
+using kvc::test::routing_from;
 
 namespace {
-
-std::vector<Index> complement(const std::vector<Index>& kept, Index n) {
-  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
-  for (Index i : kept) is_kept[static_cast<std::size_t>(i)] = 1;
-  std::vector<Index> out;
-  for (Index j = 0; j < n; ++j)
-    if (!is_kept[static_cast<std::size_t>(j)]) out.push_back(j);
-  return out;
-}
-
-std::vector<Index> random_subset(std::mt19937_64& rng, Index n, Index count) {
-  std::vector<Index> all(static_cast<std::size_t>(n));
-  for (Index j = 0; j < n; ++j) all[static_cast<std::size_t>(j)] = j;
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<std::size_t>(count));
-  std::sort(all.begin(), all.end());
-  return all;
-}
-
-template <class T>
-Vector<compute_t<T>> library_mass(const LayerView<T>& layer, Index g) {
-  using Real = compute_t<T>;
-  RowMatrix<Real> probs;
-  window_probabilities<Real>(layer, g, AttentionArguments{}, probs);
-  Vector<Real> mass;
-  mass_from_probabilities(probs, layer.group_size(), mass);
-  return mass;
-}
 
 /// Runs `Merger` on head g the way the pipeline does: out.keys / out.values start as the kept rows.
 /// `route`: the reference route (n entries, kept positions); converted to indices into `kept`.
@@ -54,11 +31,7 @@ MergeOutput<compute_t<T>> run_merge(const LayerView<T>& layer, Index g, const Ve
                                     const std::vector<Index>& kept, const std::vector<long>& route) {
   using Real = compute_t<T>;
   const std::vector<Index> evicted = complement(kept, layer.tokens());
-  Routing routing;
-  for (Index j : evicted) {
-    const long p = route[static_cast<std::size_t>(j)];
-    routing.target.push_back(std::lower_bound(kept.begin(), kept.end(), p) - kept.begin());
-  }
+  const Routing routing = routing_from(route, kept, evicted);
   const AttentionArguments attn;
   const HeadContext<T> ctx(layer, g, attn, mass, mass, kept, evicted);
   const Index m = static_cast<Index>(kept.size()), d = layer.head_dim();
@@ -101,17 +74,7 @@ MergeOutput<compute_t<T>> run_kind(int which, const LayerView<T>& layer, Index g
   return run_merge<SoftGate>(layer, g, mass, kept, route);
 }
 
-struct Data {
-  long Hkv = 2, Hq = 4, n = 96, d = 16, W = 8;
-  std::mt19937_64 rng;
-  ref::Tensor3 K, V, Q;
-  explicit Data(std::uint64_t stream) : rng(kvc::test::make_rng(stream)) {
-    K = kvc::test::random_tensor(rng, Hkv, n, d);
-    V = kvc::test::random_tensor(rng, Hkv, n, d);
-    Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
-  }
-  double scale() const { return 1.0 / std::sqrt(double(d)); }
-};
+using Data = kvc::test::HeadData;
 
 }  // namespace
 

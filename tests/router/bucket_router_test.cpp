@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/bridge.hpp"
+#include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/reference.hpp"
 
@@ -11,44 +12,16 @@
 #include <vector>
 
 using namespace kvc;
+using kvc::test::complement;
 using kvc::test::Layout;
+using kvc::test::library_mass;
+using kvc::test::random_subset;
 
 namespace {
-
-/// Ascending complement of `kept` in [0, n).
-std::vector<Index> complement(const std::vector<Index>& kept, Index n) {
-  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
-  for (Index i : kept) is_kept[static_cast<std::size_t>(i)] = 1;
-  std::vector<Index> out;
-  for (Index j = 0; j < n; ++j)
-    if (!is_kept[static_cast<std::size_t>(j)]) out.push_back(j);
-  return out;
-}
-
-/// `count` distinct positions of [0, n) drawn at random, ascending.
-std::vector<Index> random_subset(std::mt19937_64& rng, Index n, Index count) {
-  std::vector<Index> all(static_cast<std::size_t>(n));
-  for (Index j = 0; j < n; ++j) all[static_cast<std::size_t>(j)] = j;
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<std::size_t>(count));
-  std::sort(all.begin(), all.end());
-  return all;
-}
 
 RouteStatistic library_stat(int s) {
   return s == ref::RouteKeyCosine ? RouteStatistic::key_cosine
          : s == ref::RouteWindowMass ? RouteStatistic::window_mass : RouteStatistic::co_attention;
-}
-
-/// The library's window mass of KV head g (what the pipeline hands the router).
-template <class T>
-Vector<compute_t<T>> library_mass(const LayerView<T>& layer, Index g, const AttentionArguments& attn) {
-  using Real = compute_t<T>;
-  RowMatrix<Real> probs;
-  window_probabilities<Real>(layer, g, attn, probs);
-  Vector<Real> mass;
-  mass_from_probabilities(probs, layer.group_size(), mass);
-  return mass;
 }
 
 /// Routes head g with the library and returns, per evicted token (ascending), the kept POSITION it
@@ -81,15 +54,9 @@ std::vector<long> reference_route(long g, const std::vector<Index>& kept, long n
   return out;
 }
 
-struct Layer {
-  long Hkv = 2, Hq = 4, n = 80, d = 16, W = 8;
-  std::mt19937_64 rng;
-  ref::Tensor3 K, V, Q;
-  explicit Layer(std::uint64_t stream) : rng(kvc::test::make_rng(stream)) {
-    K = kvc::test::random_tensor(rng, Hkv, n, d);
-    V = kvc::test::random_tensor(rng, Hkv, n, d);
-    Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
-  }
+/// 2 KV heads, 4 query heads, n = 80, d = 16, W = 8.
+struct Layer : kvc::test::HeadData {
+  explicit Layer(std::uint64_t stream) : HeadData(stream, 2, 4, 80) {}
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/bridge.hpp"
+#include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/tolerances.hpp"
 
@@ -12,6 +13,7 @@
 using namespace kvc;
 using kvc::test::kTol;
 using kvc::test::Layout;
+using kvc::test::library_mass;
 
 namespace {
 
@@ -28,17 +30,6 @@ struct Problem {
     }
   }
 };
-
-/// The library's window attention mass of KV head g (what the pipeline feeds to a scorer).
-template <class T>
-Vector<compute_t<T>> library_mass(const LayerView<T>& layer, Index g) {
-  using Real = compute_t<T>;
-  RowMatrix<Real> probs;
-  window_probabilities<Real>(layer, g, AttentionArguments{}, probs);
-  Vector<Real> mass;
-  mass_from_probabilities(probs, layer.group_size(), mass);
-  return mass;
-}
 
 /// Scores of every KV head from Scorer, with the library's mass: (Hkv, n) in double.
 template <class Scorer, class T>

@@ -4,6 +4,7 @@
 
 #include "support/bridge.hpp"
 #include "support/random.hpp"
+#include "support/test_utils.hpp"
 #include "support/tolerances.hpp"
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <vector>
 
 using namespace kvc;
+using kvc::test::error_of;
 using kvc::test::kTol;
 using kvc::test::Layout;
 
@@ -38,16 +40,6 @@ RowMatrix<compute_t<T>> lib_decode(const Eigen::MatrixXd& q, const ref::Tensor3&
 }
 
 double default_scale(long d) { return 1.0 / std::sqrt(double(d)); }
-
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const kvc::error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 

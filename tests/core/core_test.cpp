@@ -3,11 +3,13 @@
 
 #include "support/bridge.hpp"
 #include "support/random.hpp"
+#include "support/test_utils.hpp"
 
 #include <cmath>
 #include <limits>
 
 using namespace kvc;
+using kvc::test::error_of;
 using kvc::test::Layout;
 
 TEST_CASE("views address both layouts without copies", "[core][view]") {
@@ -59,16 +61,6 @@ struct Fixture {
   ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
   ref::Tensor3 Q = kvc::test::random_tensor(rng, Hq, W, d);
 };
-
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const kvc::error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 

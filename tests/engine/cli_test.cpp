@@ -4,9 +4,9 @@
 
 #include "cli_commands.hpp"
 #include "support/random.hpp"
+#include "support/test_utils.hpp"
 
 #include <filesystem>
-#include <unistd.h>
 #include <fstream>
 #include <sstream>
 
@@ -14,26 +14,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("kvc_cli_test_" + std::to_string(::getpid()) + "_" +
-                                        std::to_string(reinterpret_cast<std::uintptr_t>(this)));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& f) const { return (path / f).string(); }
-};
+using kvc::test::TempDir;
+
 
 int run(std::vector<std::string> args, std::string& out, std::string& err) {
-  args.insert(args.begin(), "kvcompress");
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  std::ostringstream o, e;
-  const int rc = kvc::cli::run_command(static_cast<int>(argv.size()), argv.data(), o, e);
-  out = o.str();
-  err = e.str();
-  return rc;
+  return kvc::test::run_tool(kvc::cli::run_command, std::move(args), out, err);
 }
 
 std::vector<float> random_floats(std::size_t n, std::mt19937_64& rng) {

@@ -5,6 +5,7 @@
 #include "../../examples/engine/eval.hpp"
 #include "../../examples/engine/llama2.hpp"
 #include "../../examples/engine/model_path.hpp"
+#include "support/test_utils.hpp"
 
 #include <chrono>
 #include <cmath>
@@ -55,21 +56,7 @@ void write_bytes(const std::string& path, const std::vector<unsigned char>& byte
 void put_i32(std::vector<unsigned char>& b, std::size_t at, std::int32_t v) { std::memcpy(b.data() + at, &v, 4); }
 void put_f32(std::vector<unsigned char>& b, std::size_t at, float v) { std::memcpy(b.data() + at, &v, 4); }
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("kvc_engine_test_" + std::to_string(rd()) + "_" +
-            std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
+using kvc::test::TempDir;
 
 // ---------------------------------------------------------------------------------------------
 // Independent double-precision reference forward pass, written from the README's description.

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include "cli_commands.hpp"
+#include "support/test_utils.hpp"
 
 #include <iostream>
 #include <sstream>
@@ -13,15 +14,8 @@ namespace {
 std::string g_model_dir;
 
 int run(std::vector<std::string> args, std::string& out, std::string& err) {
-  args.insert(args.begin(), "kvcompress");
   args.insert(args.end(), {"--model", g_model_dir + "/stories260K.bin", "--tokenizer", g_model_dir + "/tok512.bin"});
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  std::ostringstream o, e;
-  const int rc = kvc::cli::run_command(static_cast<int>(argv.size()), argv.data(), o, e);
-  out = o.str();
-  err = e.str();
-  return rc;
+  return kvc::test::run_tool(kvc::cli::run_command, std::move(args), out, err);
 }
 }  // namespace
 

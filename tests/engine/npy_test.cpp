@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include "../../examples/engine/npy.hpp"
+#include "support/test_utils.hpp"
 
 #include <Eigen/Core>
 
@@ -23,21 +24,7 @@ using namespace kvc::engine;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("kvc_npy_test_" + std::to_string(rd()) + "_" +
-            std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
+using kvc::test::TempDir;
 
 std::vector<unsigned char> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -50,14 +50,19 @@ Eigen::MatrixXd stacked(const std::vector<Eigen::MatrixXd>& probs, long g, long 
 template <class Real>
 struct LibOut {
   std::vector<RowMatrix<Real>> probs;  // [Hkv](G·W, n)
-  std::vector<Vector<Real>> mass;      // [Hkv](n)
+  std::vector<Vector<Real>> mass;      // [Hkv](n) mass_from_probabilities(window_probabilities)
+  std::vector<Vector<Real>> fused;     // [Hkv](n) window_mass straight from the layer (fused kernel)
 };
 
 template <class T>
 LibOut<compute_t<T>> run_library(const LayerView<T>& layer, const AttentionArguments& args) {
   using Real = compute_t<T>;
   LibOut<Real> out;
+  WindowWorkspace<Real> ws;  // shared by the heads, as the pipeline reuses it
   for (Index g = 0; g < layer.kv_heads(); ++g) {
+    Vector<Real> fused;
+    window_mass<Real>(layer, g, args, fused, ws);
+    out.fused.push_back(std::move(fused));
     RowMatrix<Real> p;
     window_probabilities<Real>(layer, g, args, p);
     Vector<Real> a;
@@ -81,6 +86,7 @@ bool bitwise_equal(const LibOut<Real>& x, const LibOut<Real>& y) {
     if (x.probs[g].rows() != y.probs[g].rows() || x.probs[g].cols() != y.probs[g].cols()) return false;
     if (!(x.probs[g].array() == y.probs[g].array()).all()) return false;
     if (!(x.mass[g].array() == y.mass[g].array()).all()) return false;
+    if (!(x.fused[g].array() == y.fused[g].array()).all()) return false;
   }
   return true;
 }
@@ -116,6 +122,12 @@ void check_against_reference(const LibOut<Real>& lib, const std::vector<Eigen::M
     CHECK(kvc::test::normwise_error(lib.mass[g], want_mass) <= mass_tol.norm);
     // Σ_j a_g[j] = W (each of the G·W rows sums to 1, divided by G).
     CHECK(kvc::test::within(static_cast<double>(lib.mass[g].template cast<double>().sum()), double(W),
+                            kTol.float_vs_double.mass));
+    // The fused mass kernel (window_mass) against the same reference.
+    REQUIRE(lib.fused[g].size() == n);
+    CHECK(kvc::test::elementwise_ratio(lib.fused[g], want_mass, mass_tol) <= 1.0);
+    CHECK(kvc::test::normwise_error(lib.fused[g], want_mass) <= mass_tol.norm);
+    CHECK(kvc::test::within(static_cast<double>(lib.fused[g].template cast<double>().sum()), double(W),
                             kTol.float_vs_double.mass));
   }
 }
@@ -155,6 +167,28 @@ TEST_CASE("window probabilities and mass match the reference over awkward sizes"
                                 kTol.float_vs_double.mass);
         CHECK(bitwise_equal(d_hm, d_tm));
       }
+    }
+  }
+}
+
+TEST_CASE("several key tiles, sharp attention, window straddling a tile edge", "[attention][window][tiles]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(105);
+  // 256-key tiles: the window [n - W, n) crosses the edge at 512 in the first two cases; G·W is not a
+  // multiple of the SIMD width in most; σ = 3 makes the running maximum change from tile to tile.
+  const long cases[][5] = {
+      // Hkv, G, n, d, W
+      {1, 4, 520, 64, 12}, {2, 3, 515, 40, 33}, {1, 1, 769, 128, 64}, {1, 8, 300, 16, 5}, {2, 2, 1030, 7, 1},
+  };
+  for (const auto& c : cases) {
+    Problem pr(rng, c[0], c[1], c[2], c[3], c[4], 0.0, 3.0);
+    for (double softcap : {0.0, 2.0}) {
+      pr.softcap = softcap;
+      INFO("Hkv " << pr.Hkv << " G " << pr.G << " n " << pr.n << " d " << pr.d << " W " << pr.W << " softcap " << softcap);
+      const auto ref_probs = ref::window_probs(pr.Q, pr.K, pr.scale(), softcap);
+      const auto lib = run_library<float>(pr, Layout::token_major);
+      check_against_reference(lib, ref_probs, ref::window_mass(ref_probs, pr.Hkv), pr.G, pr.n, pr.Weff(),
+                              kTol.float_vs_double.probs, kTol.float_vs_double.mass);
     }
   }
 }

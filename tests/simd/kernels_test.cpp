@@ -3,12 +3,15 @@
 #include <catch2/catch.hpp>
 
 #include <kvcompress/simd/kernels.hpp>
+#include <kvcompress/simd/window_gemm.hpp>
 
 #include "support/random.hpp"
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -188,8 +191,90 @@ void check_multi_row(std::mt19937_64& rng) {
     }
 }
 
+/// window_gemm.hpp: packed-query logits (every panel shape and key-row remainder) against double dot
+/// products, zero padding lanes, and the transposed causal softmax tile against direct formulas.
+template <class A>
+void check_window_gemm(std::mt19937_64& rng) {
+  const long L = long(simd::fbatch<A>::size);
+  for (long R : {1L, 3L, L, L + 1, 2 * L, 2 * L + 3, 5 * L, 128L})
+    for (long d : {1L, 7L, 64L})
+      for (long count : {1L, 5L, 6L, 7L, 13L}) {
+        INFO("arch " << A::name() << " R " << R << " d " << d << " keys " << count);
+        const long ldq = d + 2, ldk = d + 3, Rp = simd::padded_queries<A>(R), ldo = Rp + L;
+        REQUIRE(Rp % L == 0);
+        REQUIRE(Rp >= R);
+        REQUIRE(Rp < R + L);
+        const auto q = random_row<float>(rng, R * ldq);
+        const auto k = random_row<float>(rng, count * ldk);
+        std::vector<float> packed(std::size_t(Rp * d), -9.f), out(std::size_t(count * ldo), -7.f);
+        const float scale = 0.37f;
+        simd::pack_queries<A>(q.data(), ldq, R, d, scale, packed.data());
+        simd::window_logits_t<A>(k.data(), ldk, count, d, packed.data(), Rp, out.data(), ldo);
+        for (long j = 0; j < count; ++j) {
+          for (long c = 0; c < R; ++c) {
+            double want = 0, mag = 0;
+            for (long p = 0; p < d; ++p) {
+              const double t = double(scale * q[std::size_t(c * ldq + p)]) * double(k[std::size_t(j * ldk + p)]);
+              want += t;
+              mag += std::abs(t);
+            }
+            CHECK(std::abs(out[std::size_t(j * ldo + c)] - want) <= float_bound(d) * mag);
+          }
+          for (long c = R; c < Rp; ++c) CHECK(out[std::size_t(j * ldo + c)] == 0.f);
+          for (long c = Rp; c < ldo; ++c) CHECK(out[std::size_t(j * ldo + c)] == -7.f);  // untouched
+        }
+      }
+
+  // softmax_tile_t over two tiles (3 + 4 keys) of Rp = 2L lanes, W = 5 window, soft-cap 3:
+  // lane c sees relative key position rel iff rel <= last[c].
+  const long Rp = 2 * L, W = 5, n = 7;
+  std::vector<float> last(static_cast<std::size_t>(Rp));
+  for (long c = 0; c < Rp; ++c) last[std::size_t(c)] = float(c < Rp - 1 ? c % W : W);
+  const auto x0 = random_row<float>(rng, n * Rp);
+  std::vector<float> x = x0;
+  for (float& v : x) v *= 4.f;
+  const std::vector<float> raw = x;
+  std::vector<float> run_max(std::size_t(Rp), -std::numeric_limits<float>::infinity()), run_sum(std::size_t(Rp), 0.f);
+  std::vector<float> shift(std::size_t(2 * Rp));
+  const long base = n - W;  // rel = j - base
+  CHECK(simd::softmax_tile_t<A>(x.data(), Rp, 3, Rp, 0 - base, true, last.data(), 3.f, run_max.data(), run_sum.data(),
+                                shift.data()));
+  CHECK(simd::softmax_tile_t<A>(x.data() + 3 * Rp, Rp, 4, Rp, 3 - base, true, last.data(), 3.f, run_max.data(),
+                                run_sum.data(), shift.data() + Rp));
+  for (long c = 0; c < Rp; ++c) {
+    INFO("arch " << A::name() << " lane " << c);
+    double mx = -1e300, z = 0;
+    const auto capped = [&](long j) { return 3.0 * std::tanh(double(raw[std::size_t(j * Rp + c)]) / 3.0); };
+    const auto visible = [&](long j) { return double(j - base) <= double(last[std::size_t(c)]); };
+    for (long j = 0; j < n; ++j)
+      if (visible(j)) mx = std::max(mx, capped(j));
+    for (long j = 0; j < n; ++j)
+      if (visible(j)) z += std::exp(capped(j) - mx);
+    CHECK(std::abs(run_max[std::size_t(c)] - mx) <= 1e-6 * (1 + std::abs(mx)));
+    CHECK(std::abs(run_sum[std::size_t(c)] - z) <= 1e-5 * z);
+    for (long j = 0; j < n; ++j) {
+      const double got = double(x[std::size_t(j * Rp + c)]) *
+                         std::exp(double(shift[std::size_t((j < 3 ? 0 : 1) * Rp + c)]) - double(run_max[std::size_t(c)])) /
+                         double(run_sum[std::size_t(c)]);
+      const double want = visible(j) ? std::exp(capped(j) - mx) / z : 0.0;
+      if (!visible(j)) CHECK(x[std::size_t(j * Rp + c)] == 0.f);
+      CHECK(std::abs(got - want) <= 1e-5 * want + 1e-30);
+    }
+  }
+  // Non-finite raw logits are reported (NaN and Inf; the soft-cap would hide the Inf).
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    std::vector<float> y = raw;
+    y[std::size_t(2 * Rp + 1)] = bad;
+    std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+    std::fill(run_sum.begin(), run_sum.end(), 0.f);
+    CHECK_FALSE(simd::softmax_tile_t<A>(y.data(), Rp, 3, Rp, -10, false, last.data(), 3.f, run_max.data(),
+                                        run_sum.data(), shift.data()));
+  }
+}
+
 template <class A>
 void check_all_types(std::mt19937_64& rng) {
+  check_window_gemm<A>(rng);
   check_row_kernels<A, float>(rng);
   check_row_kernels<A, Eigen::half>(rng);
   check_row_kernels<A, Eigen::bfloat16>(rng);

@@ -8,6 +8,7 @@
 #include "kvcompress/core.hpp"
 #include "kvcompress/detail/rows.hpp"
 #include "kvcompress/simd/kernels.hpp"
+#include "kvcompress/simd/window_gemm.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -39,21 +40,25 @@ inline constexpr Index kKeyTile = 256;  // keys converted per tile for half/bflo
 
 /// Scratch memory of the float window-attention path for one KV head at a time; reuse one per thread
 /// across heads and calls to avoid reallocation. `bytes()` is the peak extra memory of one head in
-/// flight: O(G·W·n) for the exponentials plus O(G·W·d + tile·d) (SPEC §2).
+/// flight: O(G·W·n) for the exponentials plus O(G·W·d + tile·d) (SPEC §2). R = G·W below; the mass
+/// path pads it to Rp = simd::padded_queries(R) lanes and stores the exponentials key-major.
 template <class Real>
 struct WindowWorkspace {
-  RowMatrix<Real> queries;   // (G·W, d)   stacked group queries
-  RowMatrix<Real> exps;      // (G·W, n)   e^(logit − running max), tile by tile
+  RowMatrix<Real> queries;   // (R, d)     stacked group queries
+  Vector<Real> packed;       // (Rp·d)     scaled query panels (mass path)
+  RowMatrix<Real> exps;      // (R, n) e^(logit − running max), tile by tile; (n, Rp) in the mass path
   RowMatrix<Real> key_tile;  // (tile, d)  converted keys (half / bfloat16 input only)
-  RowMatrix<Real> shift;     // (tiles, G·W) running max each tile was exponentiated with
-  Vector<Real> row_max;      // (G·W) final maximum M_r
-  Vector<Real> row_sum;      // (G·W) final denominator Z_r
-  std::vector<Index> live;   // (G·W) visible columns of the current tile
+  RowMatrix<Real> shift;     // (tiles, R or Rp) running max each tile was exponentiated with
+  Vector<Real> row_max;      // (R or Rp) final maximum M_r
+  Vector<Real> row_sum;      // (R or Rp) final denominator Z_r
+  Vector<Real> lane_last;    // (Rp) last visible window offset of each lane (mass path)
+  Vector<Real> factor;       // (Rp) per-tile rescaling factors (mass path)
+  std::vector<Index> live;   // (R) visible columns of the current tile
 
   std::size_t bytes() const {
     const auto b = [](const auto& m) { return static_cast<std::size_t>(m.size()) * sizeof(Real); };
-    return b(queries) + b(exps) + b(key_tile) + b(shift) + b(row_max) + b(row_sum) +
-           live.capacity() * sizeof(Index);
+    return b(queries) + b(packed) + b(exps) + b(key_tile) + b(shift) + b(row_max) + b(row_sum) +
+           b(lane_last) + b(factor) + live.capacity() * sizeof(Index);
   }
 };
 
@@ -197,29 +202,76 @@ void mass_from_probabilities(const RowMatrix<Real>& probs, Index G, Vector<Real>
   mass /= static_cast<Real>(G);
 }
 
+namespace detail {
+
+/// The float attention-mass path (see window_mass): per tile of keys, the transposed logits
+/// X[j][r] = scale·<q_r, k_j> by simd::window_logits_t (keys broadcast from the caller's rows, queries
+/// packed once), the online causal softmax epilogue simd::softmax_tile_t on the tile while it is in
+/// cache, then a[j] = Σ_r e^(shift_t[r] − M_r)/(G·Z_r) · X[j][r] by one dot product per key.
+template <class Arch, class T>
+bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArguments& args, Vector<float>& mass,
+                       WindowWorkspace<float>& ws) {
+  const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
+  const Index R = G * W, Rp = simd::padded_queries<Arch>(R);
+  const Index tiles = (n + kSoftmaxTile - 1) / kSoftmaxTile, base = n - W;
+  const float cap = static_cast<float>(args.softcap);
+  ws.queries = gather_group_queries<float>(layer, g);  // (R, d)
+  ws.packed.resize(Rp * d);
+  simd::pack_queries<Arch>(ws.queries.data(), d, R, d, static_cast<float>(args.resolved_scale(d)),
+                           ws.packed.data());
+  ws.exps.resize(n, Rp);
+  ws.shift.resize(tiles, Rp);
+  ws.row_max.setConstant(Rp, -std::numeric_limits<float>::infinity());
+  ws.row_sum.setZero(Rp);
+  ws.lane_last.resize(Rp);
+  for (Index c = 0; c < Rp; ++c) ws.lane_last[c] = static_cast<float>(c < R ? c % W : W);
+  if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
+  bool finite = true;
+  for (Index t = 0; t < tiles; ++t) {
+    const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
+    float* x = ws.exps.row(j0).data();
+    if constexpr (std::is_same_v<T, float>) {
+      simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
+                                  x, Rp);
+    } else {
+      auto keys = ws.key_tile.topRows(cnt);
+      gather_rows<float>(layer.keys, g, j0, cnt, keys);
+      simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp);
+    }
+    finite &= simd::softmax_tile_t<Arch>(x, Rp, cnt, Rp, j0 - base, j0 + cnt > base, ws.lane_last.data(), cap,
+                                         ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data());
+  }
+  mass.resize(n);
+  ws.factor.resize(Rp);
+  for (Index t = 0; t < tiles; ++t) {
+    const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
+    for (Index c = 0; c < Rp; ++c)
+      ws.factor[c] = c < R ? std::exp(ws.shift(t, c) - ws.row_max[c]) / (ws.row_sum[c] * static_cast<float>(G)) : 0.0f;
+    for (Index j = j0; j < j0 + cnt; ++j) mass[j] = simd::dot<Arch>(ws.factor.data(), ws.exps.row(j).data(), Rp);
+  }
+  return finite;
+}
+
+}  // namespace detail
+
 /// Attention mass a_g (n) of KV head g straight from the layer (SPEC §2), without materialising the
-/// normalised probabilities: for float arithmetic the fused tile pass (window_exp_tiles) followed by
-/// one weighted column sum a[j] = Σ_r e^(shift − M_r)/(G·Z_r) · exps[r][j]. `ws` is scratch memory
-/// (reuse it across heads). Equals mass_from_probabilities(window_probabilities(...)) up to rounding.
+/// normalised probabilities. For float arithmetic: per tile of keys one register-blocked SIMD product
+/// (simd/window_gemm.hpp) with the online causal softmax as its epilogue, then one weighted row sum
+/// per key (detail::window_mass_fused). `ws` is scratch memory (reuse it across heads). Equals
+/// mass_from_probabilities(window_probabilities(...)) up to float rounding.
 /// Cost: one (G·W × d × n) product + G·W·n exponentials + one read of the G·W·n buffer.
+/// Returns false when a logit was NaN or ±Inf (for float arithmetic every raw logit is checked, so a
+/// non-finite key always shows; the double path checks only the resulting mass); the mass is then
+/// meaningless. The pipeline uses this instead of a separate scan of the keys.
 template <class Real, class T>
-void window_mass(const LayerView<T>& layer, Index g, const AttentionArguments& args, Vector<Real>& mass,
+bool window_mass(const LayerView<T>& layer, Index g, const AttentionArguments& args, Vector<Real>& mass,
                  WindowWorkspace<Real>& ws) {
   if constexpr (std::is_same_v<Real, float>) {
-    using Arch = simd::default_arch;
-    detail::window_exp_tiles<Arch>(layer, g, args, ws);
-    const Index n = layer.tokens(), R = ws.exps.rows();
-    mass.setZero(n);
-    std::vector<float> factor(static_cast<std::size_t>(R));
-    for (Index t = 0, j0 = 0; j0 < n; ++t, j0 += detail::kSoftmaxTile) {
-      const Index cnt = std::min(detail::kSoftmaxTile, n - j0);
-      detail::tile_factors(ws, t, static_cast<float>(layer.group_size()), factor.data());
-      for (Index r = 0; r < R; ++r)
-        simd::axpy<Arch>(factor[static_cast<std::size_t>(r)], &ws.exps(r, j0), mass.data() + j0, cnt);
-    }
+    return detail::window_mass_fused<simd::default_arch>(layer, g, args, mass, ws);
   } else {
     window_probabilities<Real>(layer, g, args, ws.exps);
     mass_from_probabilities(ws.exps, layer.group_size(), mass);
+    return mass.allFinite();
   }
 }
 

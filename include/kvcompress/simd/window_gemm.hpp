@@ -1,0 +1,179 @@
+// The window-attention product as a register-blocked SIMD kernel, with the causal online-softmax
+// epilogue, in the "transposed" layout the attention-mass path uses: logits are stored key-major,
+// X[j][r] = scale·<q_r, k_j> (one row per key, one lane per stacked query r = local_head·W + i).
+//
+// Why transposed: the keys are read straight from the caller's rows (contiguous in d) and broadcast,
+// while the few G·W queries are packed once per head into panels of `2·L` columns (L = float lanes),
+// so no key is ever copied or transposed (float input); every softmax statistic (row maximum, row
+// sum, rescaling) is then a vertical, lane-wise operation, and the attention mass of key j is one dot
+// product of its row with a per-tile factor vector. The micro-kernel keeps a 6-key × 2L-query block
+// of accumulators in registers (12 on AVX2) and does 2 loads + 6 broadcasts per 12 FMAs, so it runs
+// near the FMA peak when the query panels (G·W·d floats) fit in L2, which they do for W ≤ 64.
+//
+// Summation order is fixed (p = 0..d-1, one FMA chain per output), so results are deterministic.
+#pragma once
+
+#include "kvcompress/simd/kernels.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+
+namespace kvc::simd {
+
+/// Rows of the query panels: R rounded up to a multiple of the float lane count L.
+template <class A>
+inline Index padded_queries(Index R) {
+  constexpr Index L = fbatch<A>::size;
+  return (R + L - 1) / L * L;
+}
+
+/// Pack `R` query rows q_r (row stride ldq, d floats each) times `scale` into panels for
+/// window_logits_t: full panels of 2L columns laid out [d][2L], then at most one panel of L columns
+/// laid out [d][L]; columns R..padded_queries(R) are 0. `packed` holds padded_queries(R)·d floats.
+template <class A>
+inline void pack_queries(const float* q, Index ldq, Index R, Index d, float scale, float* packed) {
+  constexpr Index L = fbatch<A>::size;
+  const Index Rp = padded_queries<A>(R);
+  for (Index c0 = 0; c0 < Rp;) {
+    const Index P = (Rp - c0 >= 2 * L) ? 2 * L : L;
+    for (Index p = 0; p < d; ++p)
+      for (Index c = 0; c < P; ++c) {
+        const Index r = c0 + c;
+        packed[p * P + c] = r < R ? scale * q[r * ldq + p] : 0.0f;
+      }
+    packed += P * d;
+    c0 += P;
+  }
+}
+
+namespace detail {
+
+/// MR keys × NV·L queries: out[i][c] = Σ_p k[i·ldk + p] · qp[p·NV·L + c], written with row stride ldo.
+template <class A, int MR, int NV>
+inline void logits_block(const float* k, Index ldk, Index d, const float* qp, float* out, Index ldo) {
+  using B = fbatch<A>;
+  constexpr Index L = B::size, P = NV * L;
+  B acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = B(0.0f);
+  for (Index p = 0; p < d; ++p) {
+    B q[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) q[v] = B::load_unaligned(qp + p * P + v * L);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const B kb(k[i * ldk + p]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = xsimd::fma(kb, q[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v].store_unaligned(out + i * ldo + v * L);
+}
+
+/// MR keys against every query panel.
+template <class A, int MR>
+inline void logits_rows(const float* k, Index ldk, Index d, const float* packed, Index Rp, float* out, Index ldo) {
+  constexpr Index L = fbatch<A>::size;
+  Index c0 = 0;
+  for (; Rp - c0 >= 2 * L; c0 += 2 * L) logits_block<A, MR, 2>(k, ldk, d, packed + c0 * d, out + c0, ldo);
+  if (c0 < Rp) logits_block<A, MR, 1>(k, ldk, d, packed + c0 * d, out + c0, ldo);
+}
+
+}  // namespace detail
+
+inline constexpr int kLogitsKeys = 6;  // keys per micro-kernel block
+
+/// out[j][c] (row stride ldo ≥ Rp) = Σ_p k_j[p] · packed column c, for `count` key rows
+/// k_j = k + j·ldk (d floats each) and every packed query column c < Rp = padded_queries(R).
+template <class A>
+inline void window_logits_t(const float* k, Index ldk, Index count, Index d, const float* packed, Index Rp,
+                            float* out, Index ldo) {
+  Index j = 0;
+  for (; j + kLogitsKeys <= count; j += kLogitsKeys)
+    detail::logits_rows<A, kLogitsKeys>(k + j * ldk, ldk, d, packed, Rp, out + j * ldo, ldo);
+  const float* kr = k + j * ldk;
+  float* o = out + j * ldo;
+  switch (count - j) {
+    case 5: detail::logits_rows<A, 5>(kr, ldk, d, packed, Rp, o, ldo); break;
+    case 4: detail::logits_rows<A, 4>(kr, ldk, d, packed, Rp, o, ldo); break;
+    case 3: detail::logits_rows<A, 3>(kr, ldk, d, packed, Rp, o, ldo); break;
+    case 2: detail::logits_rows<A, 2>(kr, ldk, d, packed, Rp, o, ldo); break;
+    case 1: detail::logits_rows<A, 1>(kr, ldk, d, packed, Rp, o, ldo); break;
+    default: break;
+  }
+}
+
+/// Causal online-softmax epilogue of one tile in the transposed layout: `x` holds `count` key rows
+/// (row stride ldx) of Rp lanes; row j is key number rel0 + j counted from the first window position
+/// (rel0 = j0 − (n − W), negative before the window). Lane c sees it iff rel0 + j ≤ last[c], where
+/// callers pass last[c] = c mod W for real lanes and W for padding (small integers, exact in float;
+/// keys before the window compare as negative numbers). Optional soft-cap c·tanh(x/c) first. Visible entries become
+/// e^(x − M_c) with M_c the running lane maximum after this tile, hidden ones exactly 0; `run_max`
+/// and `run_sum` (Rp each) are updated online (the old sum rescaled by e^(M_old − M_new)) and `shift`
+/// (Rp) receives the M_c used, so a later pass can rescale the tile by e^(shift − M_final) / Z.
+/// `masked` = false promises every lane sees every key of the tile (skips the comparisons).
+/// Returns false when a raw logit of the tile (before the soft-cap, padding lanes included) is NaN
+/// or ±Inf: the caller's keys or queries were not finite, or the product overflowed.
+template <class A>
+inline bool softmax_tile_t(float* x, Index ldx, Index count, Index Rp, Index rel0, bool masked, const float* last,
+                           float softcap_c, float* run_max, float* run_sum, float* shift) {
+  using B = fbatch<A>;
+  constexpr Index L = B::size;
+  const B ninf(-std::numeric_limits<float>::infinity());
+  B nonfinite(0.0f);  // accumulates x − x: 0 for finite x, NaN for NaN and ±Inf
+  for (Index c = 0; c < Rp; c += L) {
+    const B lastc = B::load_unaligned(last + c);
+    B mx = ninf;
+    for (Index j = 0; j < count; ++j) {
+      float* p = x + j * ldx + c;
+      B v = B::load_unaligned(p);
+      nonfinite += v - v;
+      if (softcap_c > 0.0f) {
+        v = B(softcap_c) * xsimd::tanh(v * B(1.0f / softcap_c));
+        v.store_unaligned(p);
+      }
+      if (masked) v = xsimd::select(B(static_cast<float>(rel0 + j)) <= lastc, v, ninf);
+      mx = xsimd::max(mx, v);
+    }
+    const B m_old = B::load_unaligned(run_max + c);
+    const B m_new = xsimd::max(m_old, mx);
+    // Lanes that have seen nothing yet (m_old = −inf) have run_sum 0; keep them 0 (0·e^(−inf) = NaN).
+    const B rescale = xsimd::select(m_old == ninf, B(0.0f), simd::exp<A>(m_old - m_new));
+    const B finite_new = xsimd::select(m_new == ninf, B(0.0f), m_new);
+    B s0 = B::load_unaligned(run_sum + c) * rescale, s1(0.0f);
+    Index j = 0;
+    for (; j + 2 <= count; j += 2) {
+      float* p0 = x + j * ldx + c;
+      float* p1 = p0 + ldx;
+      B e0 = simd::exp<A>(B::load_unaligned(p0) - finite_new);
+      B e1 = simd::exp<A>(B::load_unaligned(p1) - finite_new);
+      if (masked) {
+        e0 = xsimd::select(B(static_cast<float>(rel0 + j)) <= lastc, e0, B(0.0f));
+        e1 = xsimd::select(B(static_cast<float>(rel0 + j + 1)) <= lastc, e1, B(0.0f));
+      }
+      e0.store_unaligned(p0);
+      e1.store_unaligned(p1);
+      s0 += e0;
+      s1 += e1;
+    }
+    if (j < count) {
+      float* p0 = x + j * ldx + c;
+      B e0 = simd::exp<A>(B::load_unaligned(p0) - finite_new);
+      if (masked) e0 = xsimd::select(B(static_cast<float>(rel0 + j)) <= lastc, e0, B(0.0f));
+      e0.store_unaligned(p0);
+      s0 += e0;
+    }
+    (s0 + s1).store_unaligned(run_sum + c);
+    m_new.store_unaligned(run_max + c);
+    m_new.store_unaligned(shift + c);
+  }
+  return xsimd::all(nonfinite == B(0.0f));
+}
+
+}  // namespace kvc::simd

@@ -527,3 +527,46 @@ TEST_CASE("worker threads give bit-identical results", "[pipeline][threads]") {
                     SnapKV(na).run(b.view(), std::vector<Index>{20, 70}));
   }
 }
+
+TEST_CASE("run into a reused result and workspace equals a fresh run, and recycles the memory", "[pipeline][reuse]") {
+  INFO("seed " << kvc::test::test_seed());
+  // Two layers with different n (and budgets), compressed alternately into the same out / ws.
+  Data small(413, 60), large(414, 130);
+  kvc::test::LayerBuffers<float> bs(small.K, small.V, small.Q, Layout::token_major);
+  kvc::test::LayerBuffers<float> bl(large.K, large.V, large.Q, Layout::head_major);
+  const auto check = [&](const auto& preset, const char* name) {
+    INFO(name);
+    LayerResult<float> out;
+    Workspace<float> ws;
+    for (int round = 0; round < 2; ++round) {
+      INFO("round " << round);
+      preset.run(bl.view(), Budget::ratio(0.3), out, ws);
+      check_identical(out, preset.run(bl.view(), Budget::ratio(0.3)));
+      const float* keys_before = out.heads[1].keys.data();
+      preset.run(bl.view(), Budget::ratio(0.3), out, ws);  // same shapes: no reallocation
+      CHECK(out.heads[1].keys.data() == keys_before);
+      check_identical(out, preset.run(bl.view(), Budget::ratio(0.3)));
+      preset.run(bs.view(), Budget::tokens(25), out, ws);
+      check_identical(out, preset.run(bs.view(), Budget::tokens(25)));
+    }
+    // A rejected call leaves `out` as it was.
+    const LayerResult<float> before = out;
+    CHECK_THROWS_AS(preset.run(bs.view(), Budget::tokens(0), out, ws), kvc::error);
+    check_identical(out, before);
+  };
+  check(StreamingLLM{}, "StreamingLLM");
+  check(SnapKV{}, "SnapKV");
+  {  // per-head budgets of different sizes, then a uniform one
+    LayerResult<float> out;
+    Workspace<float> ws;
+    SnapKV{}.run(bl.view(), std::vector<Index>{7, 90}, out, ws);
+    check_identical(out, SnapKV{}.run(bl.view(), std::vector<Index>{7, 90}));
+    SnapKV{}.run(bl.view(), Budget::tokens(40), out, ws);
+    check_identical(out, SnapKV{}.run(bl.view(), Budget::tokens(40)));
+  }
+  check(SelKV{}, "SelKV");
+  SnapKV::Arguments threaded;
+  threaded.threads = 2;
+  check(SnapKV(threaded), "SnapKV, 2 threads");
+  check(SnapKVGRKV{}, "SnapKVGRKV");
+}

@@ -301,9 +301,10 @@ Status check_finite(const TensorView<T>& v, const char* name) {
 
 }  // namespace detail
 
-/// Checks shapes, strides and (optionally) finiteness of a layer. O(n·d·H) when `check_values`.
+namespace detail {
+/// validate_layer with the key scan separable (the pipeline folds it into window attention).
 template <class T>
-Status validate_layer(const LayerView<T>& layer, bool check_values = true) {
+Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool check_values) {
   KVC_RETURN_IF_ERROR(detail::check_view(layer.keys, "keys"));
   KVC_RETURN_IF_ERROR(detail::check_view(layer.values, "values"));
   KVC_RETURN_IF_ERROR(detail::check_view(layer.queries, "queries"));
@@ -322,8 +323,8 @@ Status validate_layer(const LayerView<T>& layer, bool check_values = true) {
     return Status::fail(Status::Code::invalid_shape,
                         concat("query heads (", layer.queries.heads,
                                ") must be a multiple of KV heads (", layer.keys.heads, ")"));
+  if (check_keys) KVC_RETURN_IF_ERROR(detail::check_finite(layer.keys, "keys"));
   if (check_values) {
-    KVC_RETURN_IF_ERROR(detail::check_finite(layer.keys, "keys"));
     KVC_RETURN_IF_ERROR(detail::check_finite(layer.values, "values"));
     // Only the last window() query rows are read.
     KVC_RETURN_IF_ERROR(detail::check_finite(
@@ -331,6 +332,13 @@ Status validate_layer(const LayerView<T>& layer, bool check_values = true) {
         "queries"));
   }
   return Status::ok();
+}
+}  // namespace detail
+
+/// Checks shapes, strides and (optionally) finiteness of a layer. O(n·d·H) when `check_values`.
+template <class T>
+Status validate_layer(const LayerView<T>& layer, bool check_values = true) {
+  return detail::validate_layer_impl(layer, check_values, check_values);
 }
 
 // -------------------------------------------------------------------------------------------------

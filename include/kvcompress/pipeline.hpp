@@ -91,6 +91,26 @@ struct has_compensate<P, std::void_t<decltype(std::declval<const P&>().compensat
 
 }  // namespace detail
 
+/// Scratch memory of Pipeline::run reused across calls: the per-worker window-attention buffers
+/// (O(G·W·n) floats each) and the per-head mass and score vectors. An engine that compresses layer
+/// after layer keeps one Workspace (per thread calling run) and passes it with a reused LayerResult,
+/// so that after the first layer nothing is allocated and no fresh page is faulted in. Holds no
+/// results: any content is overwritten by the next call.
+template <class Real>
+struct Workspace {
+  std::vector<WindowWorkspace<Real>> window;
+  std::vector<Vector<Real>> mass, score;
+
+  /// Bytes currently held.
+  std::size_t bytes() const {
+    std::size_t b = 0;
+    for (const auto& w : window) b += w.bytes();
+    for (const auto* vs : {&mass, &score})
+      for (const auto& v : *vs) b += static_cast<std::size_t>(v.size()) * sizeof(Real);
+    return b;
+  }
+};
+
 template <class Scorer, class Selector, class Router, class Merger, class Compensator>
 class Pipeline {
   static_assert(detail::has_arguments<Scorer>::value && detail::has_score<Scorer>::value,
@@ -122,7 +142,8 @@ class Pipeline {
     typename Merger::Arguments merger{};
     typename Compensator::Arguments compensator{};
     RopeArguments reposition;  ///< off by default
-    bool check_finite = true;  ///< scan K, V and the window queries for NaN/Inf (one read of each)
+    bool check_finite = true;  ///< reject NaN/Inf in K, V and the window queries (one read of V and Q;
+                               ///< presets with window attention check K through its logits)
     Index threads = 1;  ///< worker threads over KV heads; <= 1 = serial, no thread is created (parallel.hpp)
   };
 
@@ -135,8 +156,58 @@ class Pipeline {
   /// Non-throwing check of the layer, the budget and every stage's options.
   template <class T>
   Status validate(const LayerView<T>& layer, const Budget& budget) const {
+    return validate_impl(layer, budget, /*scan_keys=*/true);
+  }
+
+  /// Per-head budgets (one entry per KV head, each ≥ 1; values ≥ n keep everything).
+  template <class T>
+  Status validate(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
+    return validate_impl(layer, budgets, /*scan_keys=*/true);
+  }
+
+
+  /// Compresses one layer. Throws kvc::error on bad input (nothing of the caller's memory is
+  /// written in any case: the result is returned by value). Arithmetic in compute_t<T>.
+  template <class T>
+  LayerResult<compute_t<T>> run(const LayerView<T>& layer, const Budget& budget) const {
+    LayerResult<compute_t<T>> out;
+    Workspace<compute_t<T>> ws;
+    run_unchecked(layer, checked_budgets(layer, budget), out, ws, /*release_scratch=*/true);
+    return out;
+  }
+
+  template <class T>
+  LayerResult<compute_t<T>> run(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
+    LayerResult<compute_t<T>> out;
+    Workspace<compute_t<T>> ws;
+    run_unchecked(layer, checked_budgets(layer, budgets), out, ws, /*release_scratch=*/true);
+    return out;
+  }
+
+  /// As run(layer, budget), writing into `out` and taking scratch memory from `ws`: both keep their
+  /// allocations from call to call, so compressing layer after layer with the same shapes allocates
+  /// nothing after the first call. `out` is overwritten entirely (its previous content is not read);
+  /// on a validation error it is left untouched. Neither may be shared by concurrent calls.
+  template <class T>
+  void run(const LayerView<T>& layer, const Budget& budget, LayerResult<compute_t<T>>& out,
+           Workspace<compute_t<T>>& ws) const {
+    run_unchecked(layer, checked_budgets(layer, budget), out, ws);
+  }
+
+  /// Per-head budgets, writing into `out` with scratch memory from `ws` (see above).
+  template <class T>
+  void run(const LayerView<T>& layer, const std::vector<Index>& budgets, LayerResult<compute_t<T>>& out,
+           Workspace<compute_t<T>>& ws) const {
+    run_unchecked(layer, checked_budgets(layer, budgets), out, ws);
+  }
+
+ private:
+  /// validate(); with scan_keys = false the NaN/Inf scan of the keys is left to window attention
+  /// (run() checks its logits, which are non-finite whenever a key is).
+  template <class T>
+  Status validate_impl(const LayerView<T>& layer, const Budget& budget, bool scan_keys) const {
     KVC_RETURN_IF_ERROR(budget.validate());
-    KVC_RETURN_IF_ERROR(validate_layer(layer, args_.check_finite));
+    KVC_RETURN_IF_ERROR(detail::validate_layer_impl(layer, args_.check_finite && scan_keys, args_.check_finite));
     const Index m = budget.resolve(layer.tokens());
     if (m <= 0)
       return Status::fail(Status::Code::invalid_budget,
@@ -145,10 +216,9 @@ class Pipeline {
     return validate_options(layer, std::vector<Index>(layer.kv_heads(), std::min(m, layer.tokens())));
   }
 
-  /// Per-head budgets (one entry per KV head, each ≥ 1; values ≥ n keep everything).
   template <class T>
-  Status validate(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
-    KVC_RETURN_IF_ERROR(validate_layer(layer, args_.check_finite));
+  Status validate_impl(const LayerView<T>& layer, const std::vector<Index>& budgets, bool scan_keys) const {
+    KVC_RETURN_IF_ERROR(detail::validate_layer_impl(layer, args_.check_finite && scan_keys, args_.check_finite));
     if (static_cast<Index>(budgets.size()) != layer.kv_heads())
       return Status::fail(Status::Code::invalid_budget,
                           detail::concat("budgets has ", budgets.size(), " entries, expected one per KV head (",
@@ -162,26 +232,26 @@ class Pipeline {
     return validate_options(layer, clamped);
   }
 
-  /// Compresses one layer. Throws kvc::error on bad input (nothing of the caller's memory is
-  /// written in any case: the result is returned by value). Arithmetic in compute_t<T>.
-  template <class T>
-  LayerResult<compute_t<T>> run(const LayerView<T>& layer, const Budget& budget) const {
-    validate(layer, budget).throw_if_error();
-    const Index m = std::min(budget.resolve(layer.tokens()), layer.tokens());
-    return run_unchecked(layer, std::vector<Index>(layer.kv_heads(), m));
-  }
-
-  template <class T>
-  LayerResult<compute_t<T>> run(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
-    validate(layer, budgets).throw_if_error();
-    std::vector<Index> clamped(budgets);
-    for (auto& b : clamped) b = std::min(b, layer.tokens());
-    return run_unchecked(layer, clamped);
-  }
-
- private:
   static constexpr bool kNeedsMass = detail::needs_mass<Scorer>::value || detail::needs_mass<Router>::value ||
                                      detail::needs_mass<Merger>::value || detail::needs_mass<Compensator>::value;
+
+  /// Window attention's logits stand in for the scan of the keys (float arithmetic only).
+  template <class T>
+  static constexpr bool kFoldKeyScan = kNeedsMass && std::is_same_v<compute_t<T>, float>;
+
+  /// validate() or throw; the per-head budgets clamped to n.
+  template <class T>
+  std::vector<Index> checked_budgets(const LayerView<T>& layer, const Budget& budget) const {
+    validate_impl(layer, budget, !kFoldKeyScan<T>).throw_if_error();
+    return std::vector<Index>(layer.kv_heads(), std::min(budget.resolve(layer.tokens()), layer.tokens()));
+  }
+  template <class T>
+  std::vector<Index> checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
+    validate_impl(layer, budgets, !kFoldKeyScan<T>).throw_if_error();
+    std::vector<Index> clamped(budgets);
+    for (auto& b : clamped) b = std::min(b, layer.tokens());
+    return clamped;
+  }
 
   template <class T>
   Status validate_options(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
@@ -207,38 +277,55 @@ class Pipeline {
   Compensator compensator() const { return Compensator{args_.compensator}; }
 
   template <class T>
-  LayerResult<compute_t<T>> run_unchecked(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
+  void run_unchecked(const LayerView<T>& layer, const std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
+                     Workspace<compute_t<T>>& ws, bool release_scratch = false) const {
     using Real = compute_t<T>;
     const Index H = layer.kv_heads(), n = layer.tokens(), d = layer.head_dim();
 
     // 1. Window attention and scores, per KV head. mass[g]: (n), score[g]: (n)
-    //    scratch: one (G·W, n) workspace per worker, reused across its heads.
-    std::vector<Vector<Real>> mass(H), score(H);
-    std::vector<WindowWorkspace<Real>> scratch(kNeedsMass ? worker_count(H, args_.threads) : 0);
+    //    scratch: one (G·W, n) workspace per worker, reused across its heads (and calls).
+    std::vector<Vector<Real>>& mass = ws.mass;
+    std::vector<Vector<Real>>& score = ws.score;
+    mass.resize(static_cast<std::size_t>(H));
+    score.resize(static_cast<std::size_t>(H));
+    std::vector<WindowWorkspace<Real>>& scratch = ws.window;
+    if (kNeedsMass && static_cast<Index>(scratch.size()) < worker_count(H, args_.threads))
+      scratch.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
+    std::vector<char> finite(static_cast<std::size_t>(H), 1);  // per head: every window logit finite
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       if constexpr (kNeedsMass) {
-        window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
+        finite[static_cast<std::size_t>(g)] = window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
       } else {
         mass[g].setZero(n);
       }
       scorer().score(layer, g, mass[g], score[g]);
     });
-    scratch.clear();
+    if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(scratch);  // one-shot run(): free it now
+    if (args_.check_finite)
+      for (Index g = 0; g < H; ++g)
+        if (!finite[static_cast<std::size_t>(g)]) {
+          // A non-finite key makes every logit of its row non-finite; name it as validate() would.
+          detail::check_finite(layer.keys, "keys").throw_if_error();
+          throw error(detail::concat("window attention: a logit of KV head ", g,
+                                     " is not finite although keys and queries are (|scale·<q, k>| overflows)"));
+        }
 
     // 2. Selection. kept[g]: (m_g) ascending
     Selection<Real> sel;
     selector().select(score, budgets, sel);
 
-    // 3. Per KV head: route, merge, compensate.
-    LayerResult<Real> result;
-    result.heads.resize(H);
+    // 3. Per KV head: route, merge, compensate. The result's previous buffers are recycled.
+    result.heads.resize(static_cast<std::size_t>(H));
     result.shared_positions = sel.shared;
     parallel_for(H, args_.threads, [&](Index g, Index /*worker*/) {
       const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
       Routing routing;
       router().route(ctx, routing);  // π: (n − m_g) → kept index
 
+      HeadResult<Real>& out = result.heads[g];
       MergeOutput<Real> merged;
+      merged.keys.swap(out.keys);  // reuse the storage of a previous call
+      merged.values.swap(out.values);
       const Index m = static_cast<Index>(sel.kept[g].size());
       merged.keys.resize(m, d);  // (m_g, d) starts as the kept rows
       merged.values.resize(m, d);
@@ -246,14 +333,13 @@ class Pipeline {
       detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values);
       merger().merge(ctx, routing, merged);
 
-      HeadResult<Real>& out = result.heads[g];
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
 
       out.positions = sel.kept[g];
       out.diagnostics = merged.diagnostics;
       fill_counts(merged, out.diagnostics);
-      out.keys = std::move(merged.keys);
-      out.values = std::move(merged.values);
+      out.keys.swap(merged.keys);
+      out.values.swap(merged.values);
     });
 
     // 4. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
@@ -272,7 +358,6 @@ class Pipeline {
           rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
       result.next_position = result.max_size();
     }
-    return result;
   }
 
   template <class Real>

@@ -123,6 +123,31 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     b.values.data = v_before;
     b.queries.data = q_before;
   }
+  SECTION("non-finite keys are found through the window logits too; overflowing logits are an error") {
+    // Presets with window attention leave the key scan to the fused kernel (float arithmetic).
+    b.keys.view.row(0, 5)[2] = std::numeric_limits<float>::infinity();
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[0][5][2]"));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, std::vector<Index>{3, 4}); }), Catch::Contains("keys[0][5][2]"));
+    CHECK_THAT(error_of([&] { StreamingLLM{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[0][5][2]"));
+    CHECK(SnapKV{}.validate(layer, Budget::ratio(0.5)).code() == Status::Code::non_finite);
+    b.keys.view.row(0, 5)[2] = std::numeric_limits<float>::quiet_NaN();
+    CHECK_THAT(error_of([&] { SelKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[0][5][2]"));
+    // Finite but huge: scale·<q, k> overflows float.
+    b.keys.view.row(1, 30)[4] = 1e30f;
+    b.keys.view.row(0, 5)[2] = 0.f;
+    b.queries.view.row(2, f.W - 1)[4] = 1e30f;
+    CHECK(SnapKV{}.validate(layer, Budget::ratio(0.5)));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("overflows"));
+    b.keys.data = k_before;
+    b.queries.data = q_before;
+    // half storage (float arithmetic, folded) and double arithmetic (scanned up front) name it too.
+    ref::Tensor3 K = f.K;
+    K.at(1, 9, 0) = std::numeric_limits<double>::quiet_NaN();
+    kvc::test::LayerBuffers<Eigen::half> bh(K, f.V, f.Q, Layout::token_major);
+    CHECK_THAT(error_of([&] { SnapKV{}.run(bh.view(), Budget::ratio(0.5)); }), Catch::Contains("keys[1][9][0]"));
+    kvc::test::LayerBuffers<double> bd(K, f.V, f.Q, Layout::head_major);
+    CHECK_THAT(error_of([&] { SnapKV{}.run(bd.view(), Budget::ratio(0.5)); }), Catch::Contains("keys[1][9][0]"));
+  }
   SECTION("bad options") {
     SelKV::Arguments args;
     args.selector.pool_kernel = 4;

@@ -351,3 +351,52 @@ TEST_CASE("mergers on half and bfloat16 inputs agree with the double result with
   SECTION("half") { check(Eigen::half{}, kTol.half_vs_float); }
   SECTION("bfloat16") { check(Eigen::bfloat16{}, kTol.bf16_vs_float); }
 }
+
+TEMPLATE_TEST_CASE("MergeAll and SoftGate on arbitrary routes and head dims with a SIMD tail",
+                   "[merger][routes]", float, double, Eigen::half) {
+  // The merger sweeps evicted tokens in blocks and finishes a kept row right after its last
+  // contribution. Here routes are arbitrary (targets far from their tokens, interleaved, revisited after
+  // long gaps, one row receiving the very last token, a short last block) and d has a tail past
+  // the SIMD batches. Reference: kvc::ref::merge on the values the library reads (rounded for half).
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  std::mt19937_64 rng = kvc::test::make_rng(206);
+  const long Hkv = 2, Hq = 4, W = 8;
+  for (long d : {20L, 37L}) {
+    for (long n : {97L, 98L, 99L, 100L}) {  // (n − m) mod 4 = 2, 3, 0, 1: every short last block
+      const ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d);
+      const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
+      const ref::Tensor3 Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
+      kvc::test::LayerBuffers<T> b(K, V, Q, Layout::token_major);
+      const LayerView<T> layer = b.view();
+      const ref::Tensor3 Kr = b.keys.rounded(), Vr = b.values.rounded();
+      const auto probs = ref::window_probs(b.queries.rounded(), Kr, 1.0 / std::sqrt(double(d)), 0.0);
+      const Eigen::MatrixXd a = ref::window_mass(probs, Hkv);
+      for (long g = 0; g < Hkv; ++g) {
+        const std::vector<Index> kept = random_subset(rng, n, 23);
+        const std::vector<Index> evicted = complement(kept, n);
+        std::vector<long> route(static_cast<std::size_t>(n));
+        for (Index i : kept) route[static_cast<std::size_t>(i)] = i;
+        std::uniform_int_distribution<std::size_t> pick(0, kept.size() - 1);
+        for (std::size_t e = 0; e < evicted.size(); ++e) {
+          std::size_t t = pick(rng);
+          if (e < 6) t = 3;                                           // a run of one target
+          if (e + 1 == evicted.size() || e == evicted.size() / 2) t = 0;  // revisited after a gap, and last
+          route[static_cast<std::size_t>(evicted[e])] = kept[t];
+        }
+        const auto mass = library_mass(layer, g);
+        for (int which : {1, 2}) {
+          INFO("d " << d << " n " << n << " head " << g << " " << kind_name(which));
+          const ref::Merged want = ref::merge(g, kvc::test::to_long(kept), route, Kr, Vr, a, ref_kind(which));
+          const auto got = run_kind(which, layer, g, mass, kept, route);
+          const Eigen::MatrixXd gv = got.values.template cast<double>();
+          INFO("values: elementwise ratio " << kvc::test::elementwise_ratio(gv, want.values, kTol.float_vs_double.values)
+                                            << ", normwise " << kvc::test::normwise_error(gv, want.values));
+          CHECK(kvc::test::within(gv, want.values, kTol.float_vs_double.values));
+          CHECK(kvc::test::within(got.gate.template cast<double>(), evicted_gates(want, evicted),
+                                  kTol.float_vs_double.values));
+        }
+      }
+    }
+  }
+}

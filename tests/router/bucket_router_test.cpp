@@ -299,3 +299,44 @@ TEST_CASE("BucketRouter on half and bfloat16 keys agrees with the reference on t
   check(Eigen::half{});
   check(Eigen::bfloat16{});
 }
+
+TEMPLATE_TEST_CASE("BucketRouter: crowded buckets (candidates in several SIMD groups), a head dim with a tail",
+                   "[router][crowded]", float, double, Eigen::half) {
+  // Key cosine scores candidates in groups of one SIMD batch (8 on AVX2, padded): a bucket of 20 kept
+  // tokens spans three groups. Exact ties across groups must still go to the lower position, and
+  // d = 20 exercises the serial tail of the dot products.
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  std::mt19937_64 rng = kvc::test::make_rng(107);
+  const long Hkv = 2, Hq = 4, n = 96, d = 20, W = 8;
+  ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d);
+  const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
+  const ref::Tensor3 Q = kvc::test::random_tensor(rng, Hq, W, d, 1.5);
+  // Bucket [32, 64): kept 34..53 (20 candidates). Evicted 60 and 61 copy the key of kept 35 (group
+  // 0), which kept 44 (group 1) and 52 (group 2) also carry: 35 must win both.
+  std::vector<Index> kept = {0, 5, 17};
+  for (Index p = 34; p < 54; ++p) kept.push_back(p);
+  kept.insert(kept.end(), {70, 71, 88, 95});
+  for (long k = 0; k < d; ++k)
+    for (long p : {44L, 52L, 60L, 61L}) K.at(0, p, k) = K.at(0, 35, k);
+  kvc::test::LayerBuffers<T> b(K, V, Q, Layout::head_major);
+  const LayerView<T> layer = b.view();
+  const ref::Tensor3 Kr = b.keys.rounded();
+  const auto probs = ref::window_probs(b.queries.rounded(), Kr, 1.0 / std::sqrt(double(d)), 0.0);
+  const Eigen::MatrixXd a = ref::window_mass(probs, Hkv);
+  const std::vector<Index> evicted = complement(kept, n);
+  for (long g = 0; g < Hkv; ++g) {
+    const auto mass = library_mass(layer, g, AttentionArguments{});
+    for (long bucket : {32L, 16L, 0L}) {
+      INFO("head " << g << " bucket " << bucket);
+      const auto got = library_route(layer, g, mass, kept, bucket, RouteStatistic::key_cosine);
+      REQUIRE(got.size() == evicted.size());
+      CHECK(got == reference_route(g, kept, n, ref::RouteKeyCosine, bucket, Kr, a, probs, Hq / Hkv));
+      if (g == 0 && bucket != 16)  // (bucket 16 puts 60, 61 in [48, 64), without 35)
+        for (long j : {60L, 61L}) {
+          const auto e = std::lower_bound(evicted.begin(), evicted.end(), j) - evicted.begin();
+          CHECK(got[static_cast<std::size_t>(e)] == 35);
+        }
+    }
+  }
+}

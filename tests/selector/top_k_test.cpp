@@ -322,3 +322,31 @@ TEST_CASE("SnapKV keeps its 32-token window and selects the rest by pooled mass"
   for (long j = n - 10; j < n; ++j) last10.push_back(j);
   CHECK(kvc::test::to_long(r.heads[0].positions) == last10);
 }
+
+TEST_CASE("pool_region: average pooling equals the per-position loop bit for bit", "[selector][pooling]") {
+  // The interior (full windows) is summed a shifted segment at a time; each output must still be
+  // ((x[j−h] + x[j−h+1]) + …) / kernel in that order, like the edges.
+  INFO("seed " << kvc::test::test_seed());
+  std::mt19937_64 rng = kvc::test::make_rng(307);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (long n : {1L, 2L, 5L, 9L, 33L, 130L}) {
+    Vector<float> x(n);
+    for (long j = 0; j < n; ++j) x[j] = u(rng) * (j % 3 == 0 ? 1e-3f : 7.0f);
+    for (long kernel : {1L, 3L, 5L, 7L, 9L})
+      for (long lo = 0; lo <= std::min(n, 4L); ++lo)
+        for (long hi = lo; hi <= n; hi += std::max(1L, (n - lo) / 5)) {
+          INFO("n " << n << " kernel " << kernel << " region [" << lo << ", " << hi << ")");
+          Vector<float> got;
+          pool_region(x, lo, hi, kernel, Pooling::average, got);
+          Vector<float> want = x;
+          if (kernel > 1)
+            for (long j = lo; j < hi; ++j) {
+              float s = 0.0f;
+              for (long t = std::max(lo, j - kernel / 2); t <= std::min(hi - 1, j + kernel / 2); ++t) s += x[t];
+              want[j] = s / static_cast<float>(kernel);
+            }
+          REQUIRE(got.size() == n);
+          CHECK((got.array() == want.array()).all());
+        }
+  }
+}

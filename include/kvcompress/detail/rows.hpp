@@ -1,5 +1,6 @@
-// Private: gathering rows of strided views into dense compute-type matrices, and mapping them
-// without copies when the element type already is the compute type.
+// Private: gathering rows of strided views into dense compute-type matrices, mapping them without
+// copies when the element type already is the compute type, and prefetching a head's rows ahead of a
+// sweep by position.
 #pragma once
 #ifndef KVC_INTERNAL_INCLUDE
 #error "kvcompress/detail/rows.hpp is private: include <kvcompress/kvcompress.hpp> instead"
@@ -7,6 +8,11 @@
 
 #include "kvcompress/core.hpp"
 #include "kvcompress/simd/kernels.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <iterator>
+#include <type_traits>
 
 namespace kvc::detail {
 
@@ -31,13 +37,62 @@ void gather_rows(const TensorView<const T>& v, Index h, Index first, Index count
 }
 
 /// out (positions.size(), dim) <- rows at the given positions of head h, converted to Real.
+/// Rows are requested a few positions ahead (the positions are usually ascending but need not be);
+/// when no conversion is needed and out's rows are contiguous, each row is one memcpy.
 template <class Real, class T, class Positions, class Derived>
 void gather_positions(const TensorView<const T>& v, Index h, const Positions& positions,
                       Eigen::MatrixBase<Derived>& out) {
   using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
-  Index r = 0;
-  for (Index p : positions) out.row(r++) = Eigen::Map<const Row>(v.row(h, p), v.dim).template cast<Real>();
+  constexpr Index kAhead = 8;
+  const Index count = static_cast<Index>(positions.size());
+  const auto pos = std::begin(positions);  // random access
+  constexpr bool can_copy = std::is_same_v<T, Real> && bool(Derived::IsRowMajor) &&
+                            bool(Derived::Flags & Eigen::DirectAccessBit);
+  for (Index r = 0; r < count; ++r) {
+#if defined(__GNUC__) || defined(__clang__)
+    if (r + kAhead < count) {
+      const T* p = v.row(h, pos[r + kAhead]);
+      for (Index k = 0; k < v.dim; k += Index(64 / sizeof(T))) __builtin_prefetch(p + k, 0, 3);
+    }
+#endif
+    if constexpr (can_copy) {
+      if (out.innerStride() == 1) {
+        std::memcpy(&out.derived().coeffRef(r, 0), v.row(h, pos[r]), static_cast<std::size_t>(v.dim) * sizeof(T));
+        continue;
+      }
+    }
+    out.row(r) = Eigen::Map<const Row>(v.row(h, pos[r]), v.dim).template cast<Real>();
+  }
 }
+
+/// Software prefetch of the rows of one head of a view, in position order, a fixed number of rows
+/// ahead of a front that only moves forward. For sweeps that read the head's rows roughly by
+/// increasing position (evicted tokens ascending, the kept tokens of their bucket): every row is
+/// requested once, `distance` positions before the sweep reaches it, so the DRAM latency of a row
+/// overlaps the arithmetic on the rows before it. A hint only: results never depend on it.
+template <class T>
+class RowPrefetcher {
+ public:
+  RowPrefetcher(const TensorView<const T>& v, Index h, Index distance)
+      : view_(v), head_(h), distance_(distance), line_elems_(std::max<Index>(1, Index(64 / sizeof(T)))) {}
+
+  /// Requests every row up to position `front + distance` (exclusive) not requested yet.
+  void advance_to(Index front) {
+    const Index end = std::min(front + distance_, view_.tokens);
+    for (; next_ < end; ++next_) {
+#if defined(__GNUC__) || defined(__clang__)
+      const T* p = view_.row(head_, next_);
+      for (Index k = 0; k < view_.dim; k += line_elems_) __builtin_prefetch(p + k, 0, 3);
+      if (view_.dim > 0) __builtin_prefetch(p + view_.dim - 1, 0, 3);  // last line of an unaligned row
+#endif
+    }
+  }
+
+ private:
+  TensorView<const T> view_;
+  Index head_, distance_, line_elems_;
+  Index next_ = 0;
+};
 
 /// Euclidean norm of one row, in Real (SIMD for float arithmetic, a serial loop for double).
 template <class Real, class T>

@@ -8,8 +8,11 @@
 #include "kvcompress/detail/rows.hpp"
 #include "kvcompress/policy.hpp"
 #include "kvcompress/router/no_route.hpp"
+#include "kvcompress/simd/kernels.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace kvc {
@@ -26,6 +29,50 @@ inline const char* to_string(RouteStatistic s) {
          : s == RouteStatistic::window_mass ? "window_mass" : "co_attention";
 }
 
+namespace detail {
+
+/// out[c] = <rows[c], y> for `count` rows of element type T (pointers into the cache) and one row y (d)
+/// of type T, in float. Rows go in groups of fbatch<A>::size (8 on AVX2), one accumulator each (eight
+/// independent FMA chains), y loaded once per batch for the group; xsimd::haddp reduces the group's
+/// accumulators into one batch (lane c holds row c's sum, computed from row c alone, in a fixed
+/// order), then the serial tail. A short last group is padded by repeating its last row. So every row
+/// gets the same arithmetic whatever its place among the rows — equal rows give bit-equal dots, which
+/// the router's tie rule depends on.
+template <class A, class T>
+inline void dots_against(const T* const* rows, Index count, const T* y, Index d, float* out) {
+  using B = simd::fbatch<A>;
+  constexpr Index S = B::size;
+  const Index body = d - d % S;
+  for (Index c0 = 0; c0 < count; c0 += S) {
+    const T* x[S];
+    for (Index r = 0; r < S; ++r) x[r] = rows[std::min(c0 + r, count - 1)];
+    B acc[S];
+    for (Index r = 0; r < S; ++r) acc[r] = B(0.0f);
+    for (Index k = 0; k < body; k += S) {
+      const B yv = simd::load<A>(y + k);
+      for (Index r = 0; r < S; ++r) acc[r] = xsimd::fma(simd::load<A>(x[r] + k), yv, acc[r]);
+    }
+    alignas(64) float sums[S];
+    xsimd::haddp(acc).store_aligned(sums);
+    const Index live = std::min(S, count - c0);
+    for (Index r = 0; r < live; ++r) {
+      float s = sums[r];
+      for (Index k = body; k < d; ++k) s += simd::to_float(x[r][k]) * simd::to_float(y[k]);
+      out[c0 + r] = s;
+    }
+  }
+}
+
+/// <x, y> of two rows of element type T in Real (the serial loop used for double arithmetic).
+template <class Real, class T>
+Real dot_serial(const T* x, const T* y, Index d) {
+  Real s = 0;
+  for (Index k = 0; k < d; ++k) s += to_real<Real>(x[k]) * to_real<Real>(y[k]);
+  return s;
+}
+
+}  // namespace detail
+
 /// Positional-bucket router. Candidates for evicted j are the kept tokens in j's bucket
 /// [b·B, (b+1)·B); when the bucket has none, the nearest kept position (ties to the earlier one).
 /// `bucket = 0` routes over all kept tokens (the Global option). Ties go to the lower position.
@@ -38,6 +85,9 @@ struct BucketRouter {
   static constexpr bool needs_mass = true;  // window_mass reads a; harmless otherwise
   Arguments args;
 
+  /// How far (in positions) key rows are requested ahead of the sweep.
+  static constexpr Index kPrefetchRows = 32;
+
   Status validate() const {
     if (args.bucket < 0)
       return Status::fail(Status::Code::invalid_argument,
@@ -46,46 +96,76 @@ struct BucketRouter {
   }
 
   /// Fills routing.target (n − m) with indices into ctx.kept().
+  /// One sweep over the evicted tokens (ascending) with the bucket's candidate range [lo, hi) of
+  /// ctx.kept() advanced alongside (no search). key_cosine ranks candidates by <k_i, k_j> / ‖k_i‖
+  /// (∝ cosine: ‖k_j‖ is common to all of them; a zero-norm candidate scores 0), with ‖k_i‖
+  /// computed once per kept token and the keys read in place from the cache (no copy).
+  /// window_mass picks its argmax once per bucket. Extra memory O(B) (O(m) for Global).
   /// Cost: O((n − m)·c·d) for key_cosine with c candidates per token; co_attention first computes
-  /// the head's window probabilities (one G·W × d × n product).
+  /// the head's window probabilities (one G·W × d × n product) and costs O((n − m)·c·G·W).
   template <class T>
   void route(const HeadContext<T>& ctx, Routing& routing) const {
     using Real = compute_t<T>;
     const auto& kept = ctx.kept();
     const auto& evicted = ctx.evicted();
     const Index m = static_cast<Index>(kept.size()), d = ctx.head_dim();
+    const Index B = args.bucket;
     routing.target.assign(evicted.size(), -1);
     if (evicted.empty() || m == 0) return;
 
-    // Unit-normalised kept keys (m, d) for key_cosine; zero-norm rows stay zero (cosine 0).
-    RowMatrix<Real> unit_kept;
-    const RowMatrix<Real>* probs = nullptr;
-    if (args.statistic == RouteStatistic::key_cosine) {
-      unit_kept.resize(m, d);
-      detail::gather_positions<Real>(ctx.layer().keys, ctx.head(), kept, unit_kept);
-      for (Index i = 0; i < m; ++i) {
-        const Real nrm = unit_kept.row(i).norm();
-        if (nrm > Real(0)) unit_kept.row(i) /= nrm;
-      }
-    } else if (args.statistic == RouteStatistic::co_attention) {
-      probs = &ctx.probabilities();
-    }
+    const RouteStatistic stat = args.statistic;
+    const RowMatrix<Real>* probs = stat == RouteStatistic::co_attention ? &ctx.probabilities() : nullptr;
 
-    Vector<Real> kj(d);
+    // Candidate range [lo, hi) of the current bucket, and per-candidate data for it (index c − lo).
+    Index lo = 0, hi = B > 0 ? 0 : m, bucket_start = -1;
+    std::vector<const T*> cand_key;  // key rows in the cache
+    std::vector<Real> inv_norm;      // 1 / ‖k_i‖, 0 for a zero-norm key
+    std::vector<float> dots;
+    Index mass_best = -1;            // window_mass: the bucket's argmax (independent of j)
+    auto load_candidates = [&] {
+      mass_best = -1;
+      if (hi - lo < 2) return;
+      if (stat == RouteStatistic::key_cosine) {
+        cand_key.resize(static_cast<std::size_t>(hi - lo));
+        inv_norm.resize(static_cast<std::size_t>(hi - lo));
+        dots.resize(static_cast<std::size_t>(hi - lo));
+        for (Index i = lo; i < hi; ++i) {
+          const T* k = ctx.key(kept[static_cast<std::size_t>(i)]);
+          const Real nrm = detail::row_norm<Real>(k, d);
+          cand_key[static_cast<std::size_t>(i - lo)] = k;
+          inv_norm[static_cast<std::size_t>(i - lo)] = nrm > Real(0) ? Real(1) / nrm : Real(0);
+        }
+      } else if (stat == RouteStatistic::window_mass) {
+        const auto& a = ctx.mass();
+        mass_best = lo;
+        for (Index i = lo + 1; i < hi; ++i)
+          if (a[kept[static_cast<std::size_t>(i)]] > a[kept[static_cast<std::size_t>(mass_best)]]) mass_best = i;
+      }
+    };
+    // key_cosine reads the head's keys roughly by position: request them ahead of the sweep.
+    detail::RowPrefetcher<T> prefetch(ctx.layer().keys, ctx.head(), kPrefetchRows);
+    const bool read_keys = stat == RouteStatistic::key_cosine;
+    if (B == 0) load_candidates();
+
     for (std::size_t e = 0; e < evicted.size(); ++e) {
       const Index j = evicted[e];
-      // Candidate range [lo, hi) of indices into kept.
-      Index lo = 0, hi = m;
-      if (args.bucket > 0) {
-        const Index b0 = (j / args.bucket) * args.bucket, b1 = b0 + args.bucket;
-        lo = std::lower_bound(kept.begin(), kept.end(), b0) - kept.begin();
-        hi = std::lower_bound(kept.begin(), kept.end(), b1) - kept.begin();
+      if (read_keys) prefetch.advance_to(j + B);  // past the end of j's bucket, whose kept keys it reads
+      if (B > 0) {
+        const Index b0 = (j / B) * B;
+        if (b0 != bucket_start) {  // entering a new bucket: advance [lo, hi) (both only move forward)
+          bucket_start = b0;
+          lo = hi;
+          while (lo < m && kept[static_cast<std::size_t>(lo)] < b0) ++lo;
+          hi = lo;
+          while (hi < m && kept[static_cast<std::size_t>(hi)] < b0 + B) ++hi;
+          load_candidates();
+        }
         if (lo == hi) {  // empty bucket: nearest kept position, ties to the earlier one
-          const Index after = std::lower_bound(kept.begin(), kept.end(), j) - kept.begin();
+          // kept[lo − 1] < b0 <= j < b0 + B <= kept[lo]: the neighbours of j are lo − 1 and lo.
           Index pick;
-          if (after == 0) pick = 0;
-          else if (after == m) pick = m - 1;
-          else pick = (j - kept[after - 1] <= kept[after] - j) ? after - 1 : after;
+          if (lo == 0) pick = 0;
+          else if (lo == m) pick = m - 1;
+          else pick = (j - kept[static_cast<std::size_t>(lo - 1)] <= kept[static_cast<std::size_t>(lo)] - j) ? lo - 1 : lo;
           routing.target[e] = pick;
           continue;
         }
@@ -94,36 +174,52 @@ struct BucketRouter {
         routing.target[e] = lo;
         continue;
       }
-      if (args.statistic == RouteStatistic::key_cosine) {
-        const T* k = ctx.key(j);
-        for (Index c = 0; c < d; ++c) kj[c] = to_real<Real>(k[c]);
-      }
       Index best = lo;
-      Real best_stat = statistic(ctx, probs, unit_kept, kj, j, lo);
-      for (Index i = lo + 1; i < hi; ++i) {
-        const Real s = statistic(ctx, probs, unit_kept, kj, j, i);
-        if (s > best_stat) {
-          best_stat = s;
-          best = i;
+      switch (stat) {
+        case RouteStatistic::key_cosine: {
+          const T* kj = ctx.key(j);
+          const Index c = hi - lo;
+          Real best_stat;
+          if constexpr (std::is_same_v<Real, float>) {
+            detail::dots_against<simd::default_arch>(cand_key.data(), c, kj, d, dots.data());
+            best_stat = dots[0] * inv_norm[0];
+            for (Index i = 1; i < c; ++i) {
+              const Real s = dots[static_cast<std::size_t>(i)] * inv_norm[static_cast<std::size_t>(i)];
+              if (s > best_stat) {
+                best_stat = s;
+                best = lo + i;
+              }
+            }
+          } else {
+            best_stat = detail::dot_serial<Real>(cand_key[0], kj, d) * inv_norm[0];
+            for (Index i = 1; i < c; ++i) {
+              const Real s = detail::dot_serial<Real>(cand_key[static_cast<std::size_t>(i)], kj, d) *
+                             inv_norm[static_cast<std::size_t>(i)];
+              if (s > best_stat) {
+                best_stat = s;
+                best = lo + i;
+              }
+            }
+          }
+          break;
+        }
+        case RouteStatistic::window_mass:
+          best = mass_best;
+          break;
+        case RouteStatistic::co_attention: {
+          Real best_stat = probs->col(j).dot(probs->col(kept[static_cast<std::size_t>(lo)]));
+          for (Index i = lo + 1; i < hi; ++i) {
+            const Real s = probs->col(j).dot(probs->col(kept[static_cast<std::size_t>(i)]));
+            if (s > best_stat) {
+              best_stat = s;
+              best = i;
+            }
+          }
+          break;
         }
       }
       routing.target[e] = best;
     }
-  }
-
- private:
-  template <class T, class Real>
-  Real statistic(const HeadContext<T>& ctx, const RowMatrix<Real>* probs,
-                 const RowMatrix<Real>& unit_kept, const Vector<Real>& kj, Index j, Index i) const {
-    switch (args.statistic) {
-      case RouteStatistic::key_cosine:
-        return unit_kept.row(i).dot(kj.transpose());  // ∝ cosine: ‖k_j‖ is common to all candidates
-      case RouteStatistic::window_mass:
-        return ctx.mass()[ctx.kept()[i]];
-      case RouteStatistic::co_attention:
-        return probs->col(j).dot(probs->col(ctx.kept()[i]));
-    }
-    return Real(0);
   }
 };
 

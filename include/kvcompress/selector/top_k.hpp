@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace kvc {
@@ -53,11 +54,23 @@ void pool_region(const Vector<Real>& x, Index lo, Index hi, Index kernel, Poolin
   if (kind == Pooling::none || kernel <= 1 || hi - lo <= 0) return;
   const Index half = kernel / 2;
   if (kind == Pooling::average) {
-    for (Index j = lo; j < hi; ++j) {
+    // Each output is ((x[j−h] + x[j−h+1]) + …) + x[j+h] over the in-region part, then / kernel. The
+    // interior (full windows) is summed a whole shifted segment at a time: the same additions in the
+    // same order per element, vectorised.
+    auto edge = [&](Index j) {
       Real s = 0;
       for (Index t = std::max(lo, j - half); t <= std::min(hi - 1, j + half); ++t) s += x[t];
       out[j] = s / static_cast<Real>(kernel);
+    };
+    const Index in_lo = std::min(hi, lo + half), in_hi = std::max(in_lo, hi - half);  // full windows
+    for (Index j = lo; j < in_lo; ++j) edge(j);
+    if (in_hi > in_lo) {
+      const Index len = in_hi - in_lo;
+      Vector<Real> acc = Real(0) + x.segment(in_lo - half, len).array();
+      for (Index t = 1; t < kernel; ++t) acc.array() += x.segment(in_lo - half + t, len).array();
+      out.segment(in_lo, len) = acc / static_cast<Real>(kernel);
     }
+    for (Index j = in_hi; j < hi; ++j) edge(j);
   } else {
     for (Index j = lo; j < hi; ++j) {
       Real mx = x[j];
@@ -114,64 +127,74 @@ struct TopK {
       pool_region(scores[g], forced[g].sinks, n - forced[g].recent, pool, args.pooling, out.score[g]);
     }
 
+    std::vector<char> flag(static_cast<std::size_t>(n));
     if (!out.shared) {
       for (Index g = 0; g < H; ++g)
-        out.kept[g] = keep_one(out.score[g], n, budgets[g], forced[g], nullptr);
+        keep_one(out.score[g], n, budgets[g], forced[g], nullptr, flag, out.kept[g], out.evicted[g]);
     } else {
       // Each head proposes its own top m'; the union is trimmed to m' by the mean pooled score.
       Vector<Real> mean = Vector<Real>::Zero(n);
       for (Index g = 0; g < H; ++g) mean += out.score[g];
       mean /= static_cast<Real>(H);
-      std::vector<char> proposed(n, 0);
+      std::vector<char> proposed(static_cast<std::size_t>(n), 0);
       for (Index g = 0; g < H; ++g)
-        for (Index p : top_candidates(out.score[g], n, budgets[g], forced[g], nullptr)) proposed[p] = 1;
-      const std::vector<Index> kept = keep_one(mean, n, budgets[0], forced[0], &proposed);
+        for (Index p : top_candidates(out.score[g], n, budgets[g], forced[g], nullptr))
+          proposed[static_cast<std::size_t>(p)] = 1;
+      if (H > 0) keep_one(mean, n, budgets[0], forced[0], &proposed, flag, out.kept[0], out.evicted[0]);
       for (Index g = 0; g < H; ++g) {
-        out.kept[g] = kept;
+        if (g > 0) {
+          out.kept[g] = out.kept[0];
+          out.evicted[g] = out.evicted[0];
+        }
         out.score[g] = mean;
       }
-    }
-    for (Index g = 0; g < H; ++g) {
-      std::vector<char> is_kept(n, 0);
-      for (Index p : out.kept[g]) is_kept[p] = 1;
-      out.evicted[g].reserve(n - out.kept[g].size());
-      for (Index j = 0; j < n; ++j)
-        if (!is_kept[j]) out.evicted[g].push_back(j);
     }
   }
 
  private:
   /// Top (m − forced) candidates in [sinks, n − recent) by score (ties: lower position), restricted
-  /// to `allowed` positions when given. Unsorted.
+  /// to `allowed` positions when given. Unsorted. The order is strict and total, so the set is unique;
+  /// it is found by nth_element on (score, position) pairs (contiguous keys).
   template <class Real>
   static std::vector<Index> top_candidates(const Vector<Real>& s, Index n, Index m, ForcedCounts f,
                                            const std::vector<char>* allowed) {
-    std::vector<Index> cand;
-    if (m >= n) return cand;
-    cand.reserve(n);
+    std::vector<Index> out;
+    if (m >= n) return out;
+    std::vector<std::pair<Real, Index>> cand;
+    cand.reserve(static_cast<std::size_t>(std::max<Index>(0, n - f.sinks - f.recent)));
     for (Index j = f.sinks; j < n - f.recent; ++j)
-      if (!allowed || (*allowed)[j]) cand.push_back(j);
+      if (!allowed || (*allowed)[static_cast<std::size_t>(j)]) cand.emplace_back(s[j], j);
     const Index k = std::min<Index>(m - f.sinks - f.recent, static_cast<Index>(cand.size()));
-    auto better = [&s](Index a, Index b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
-    std::nth_element(cand.begin(), cand.begin() + k, cand.end(), better);
-    cand.resize(k);
-    return cand;
+    auto better = [](const std::pair<Real, Index>& a, const std::pair<Real, Index>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    if (k < static_cast<Index>(cand.size())) std::nth_element(cand.begin(), cand.begin() + k, cand.end(), better);
+    out.resize(static_cast<std::size_t>(k));
+    for (Index i = 0; i < k; ++i) out[static_cast<std::size_t>(i)] = cand[static_cast<std::size_t>(i)].second;
+    return out;
   }
 
+  /// kept (ascending) <- forced sinks and recent tokens + the top candidates; evicted (ascending) <- the
+  /// rest. `flag` is scratch of n entries.
   template <class Real>
-  static std::vector<Index> keep_one(const Vector<Real>& s, Index n, Index m, ForcedCounts f,
-                                     const std::vector<char>* allowed) {
-    std::vector<Index> kept;
+  static void keep_one(const Vector<Real>& s, Index n, Index m, ForcedCounts f, const std::vector<char>* allowed,
+                       std::vector<char>& flag, std::vector<Index>& kept, std::vector<Index>& evicted) {
+    kept.clear();
+    evicted.clear();
     if (m >= n) {
-      kept.resize(n);
+      kept.resize(static_cast<std::size_t>(n));
       std::iota(kept.begin(), kept.end(), Index(0));
-      return kept;
+      return;
     }
-    kept = top_candidates(s, n, m, f, allowed);
-    for (Index j = 0; j < f.sinks; ++j) kept.push_back(j);
-    for (Index j = n - f.recent; j < n; ++j) kept.push_back(j);
-    std::sort(kept.begin(), kept.end());
-    return kept;
+    std::fill(flag.begin(), flag.end(), char(0));
+    for (Index p : top_candidates(s, n, m, f, allowed)) flag[static_cast<std::size_t>(p)] = 1;
+    for (Index j = 0; j < f.sinks; ++j) flag[static_cast<std::size_t>(j)] = 1;
+    for (Index j = n - f.recent; j < n; ++j) flag[static_cast<std::size_t>(j)] = 1;
+    Index count = 0;
+    for (char c : flag) count += c;
+    kept.reserve(static_cast<std::size_t>(count));
+    evicted.reserve(static_cast<std::size_t>(n - count));
+    for (Index j = 0; j < n; ++j) (flag[static_cast<std::size_t>(j)] ? kept : evicted).push_back(j);
   }
 };
 

@@ -1,6 +1,6 @@
 // Decode attention with the compensation bias (SPEC §8): one decode step of Hq query heads over a
-// (compressed) layer plus any appended tokens. Float arithmetic runs a single-pass SIMD kernel (the G
-// query heads of a KV head together, so K and V are each read once);
+// (compressed) layer plus any appended tokens. Float arithmetic runs a single-pass, tiled SIMD kernel
+// with an online softmax (the G query heads of a KV head together, so K and V are each read once);
 // double arithmetic runs the plain reference loops.
 //
 // How an engine consumes the bias without this kernel: most engines already add a mask to the
@@ -14,11 +14,13 @@
 
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
+#include "kvcompress/simd/decode_kernels.hpp"
 #include "kvcompress/simd/kernels.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace kvc {
@@ -69,12 +71,118 @@ void decode_attention_reference(const RowMatrix<compute_t<T>>& queries, const Te
   }
 }
 
-/// Float kernel: per KV head g, its G query heads together. Pass over K: logits (G, t) by
-/// simd::dot_rows (each key row read once for the G heads), soft-cap and bias; then per head the max,
-/// e^(x − max) and the sum while the (G, t) logits are in cache, p = e / sum; pass over V:
-/// out_h += p_h,i · v_i by simd::axpy_rows (each value row read once). The same operations and order
-/// per output element as the reference loops (p normalised before the weighted sum), vectorised.
-/// O(Hq·t·d) flops, one read of K and V, O(G·t) floats of scratch.
+/// Keys per tile of the float kernel (its logits, G × kDecodeTile floats, stay in L1/L2), value rows
+/// per register block of the value pass, and how many rows ahead K and V rows are prefetched.
+inline constexpr Index kDecodeTile = 1024;
+inline constexpr Index kDecodeRowBlock = 16;
+inline constexpr Index kDecodePrefetchRows = 16;
+
+/// Calls f(std::integral_constant<int, nh>{}) for nh in 1..4 (the heads of one register block).
+template <class F>
+void with_head_block(Index nh, F&& f) {
+  switch (nh) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+/// Raw scores e[h · kDecodeTile + j] = <q_h, k_{g, i0+j}> for NH query rows q_h = q + h·d and the len
+/// keys of one tile, two keys per reduction (simd::dots_block). With `prefetch`, the key rows
+/// kDecodePrefetchRows ahead (when below t) are prefetched while reading.
+template <class Arch, int NH, class T>
+void decode_tile_scores(const float* q, const TensorView<const T>& keys, Index g, Index i0, Index len,
+                        bool prefetch, float* e) {
+  const Index d = keys.dim, t = keys.tokens;
+  alignas(32) float s[8];
+  Index j = 0;
+  for (; j + 2 <= len; j += 2) {
+    const Index ahead = prefetch && i0 + j + 1 + kDecodePrefetchRows < t ? kDecodePrefetchRows * keys.token_stride : 0;
+    const T* k[2] = {keys.row(g, i0 + j), keys.row(g, i0 + j + 1)};
+    simd::dots_block<Arch, 2, NH>(q, d, k, d, s, ahead);
+    for (int h = 0; h < NH; ++h) {
+      e[h * kDecodeTile + j] = s[h];
+      e[h * kDecodeTile + j + 1] = s[4 + h];
+    }
+  }
+  if (j < len) {
+    const T* k[1] = {keys.row(g, i0 + j)};
+    simd::dots_block<Arch, 1, NH>(q, d, k, d, s);
+    for (int h = 0; h < NH; ++h) e[h * kDecodeTile + j] = s[h];
+  }
+}
+
+/// o_h (d) += Σ_{j < rows} w[h · w_stride + j] · v_j for NH output rows o_h = o + h·d and `rows`
+/// value rows v_j = v + j·v_stride: sweeps of two batches of columns over the rows, accumulated in
+/// registers (simd::axpy_block), then one batch, then the scalar column tail. While sweeping, the
+/// `prefetch_bytes` at `prefetch` (the next block of rows, or null) are prefetched front to back.
+template <class Arch, int NH, class T>
+void decode_block_values(const float* w, Index w_stride, const T* v, Index v_stride, Index rows, Index d, float* o,
+                         const char* prefetch, Index prefetch_bytes) {
+  constexpr Index S = simd::fbatch<Arch>::size;
+  Index c = 0, step = 0;
+  for (; c + 2 * S <= d; c += 2 * S, step += rows)
+    simd::axpy_block<Arch, NH, 2>(w, w_stride, v, v_stride, rows, c, o, d, prefetch, prefetch_bytes, step);
+  if (c + S <= d) {
+    simd::axpy_block<Arch, NH, 1>(w, w_stride, v, v_stride, rows, c, o, d, prefetch, prefetch_bytes, step);
+    c += S;
+  }
+  for (; c < d; ++c)
+    for (Index j = 0; j < rows; ++j) {
+      const float vc = to_real<float>(v[j * v_stride + c]);
+      for (int h = 0; h < NH; ++h) o[h * d + c] += w[h * w_stride + j] * vc;
+    }
+}
+
+/// One tile of the online softmax for one query head: x (len raw scores) <- scale·x, soft-cap
+/// cap·tanh(x / cap) when cap > 0, + bias
+/// (`bias_len` <= len leading entries), then e^(x − m) where m, the running maximum, is raised to the
+/// tile's maximum first; the running sum l is rescaled by e^(m_old − m_new) and the tile's Σ e added.
+/// Returns that rescale factor (1 when m did not move; the caller rescales its output row by it). While
+/// every logit seen so far is −inf, the tile's weights are set to 0 and m stays −inf.
+template <class Arch>
+float decode_tile_softmax(float* x, Index len, float scale, float cap, const float* bias, Index bias_len,
+                          float& m, float& l) {
+  using B = simd::fbatch<Arch>;
+  constexpr Index S = B::size;
+  if (cap > 0.0f) {  // scale·x, then cap·tanh(· / cap): the reference's operations (a true division)
+    const B sb(scale), cb(cap);
+    Index k = 0;
+    for (; k + S <= len; k += S) (cb * xsimd::tanh((B::load_unaligned(x + k) * sb) / cb)).store_unaligned(x + k);
+    for (; k < len; ++k) x[k] = cap * std::tanh((x[k] * scale) / cap);
+  } else {
+    simd::scale<Arch>(x, scale, len);
+  }
+  if (bias_len > 0) simd::axpy<Arch>(1.0f, bias, x, bias_len);  // fma(1, b, x): exactly x + b
+  const float m_new = std::max(m, simd::max<Arch>(x, len));
+  if (m_new == -std::numeric_limits<float>::infinity()) {
+    std::fill(x, x + len, 0.0f);
+    return 1.0f;
+  }
+  float factor = 1.0f;
+  if (m_new > m && m != -std::numeric_limits<float>::infinity()) {
+    factor = std::exp(m - m_new);
+    l *= factor;
+  }
+  m = m_new;
+  l += simd::exp_shift_sum<Arch>(x, len, m_new);
+  return factor;
+}
+
+/// Float kernel, one pass over K and V in tiles of kDecodeTile keys (flash-decoding style online
+/// softmax). Per KV head g and tile: raw scores of the G query heads of g, in register blocks of 4
+/// heads × 2 keys (8 vertical FMA chains, one transposing reduction per block, each key row loaded once
+/// per 4 heads); per head scale, soft-cap, bias, tile maximum, running maximum m_h and running sum l_h
+/// (rescaled by e^(m_old − m_new) when the maximum rises, together with the output row), weights
+/// e^(x − m_h); then out_h += Σ_i e_h,i · v_i over blocks of kDecodeRowBlock value rows, accumulated in
+/// registers (4 heads × 2 batches of columns). At the end out_h /= l_h. Key rows are prefetched
+/// kDecodePrefetchRows ahead as they are read; with contiguous value rows (head-major), each block of
+/// value rows prefetches the next block front to back while it is swept column by column. Every tile
+/// and block has a fixed order, so the result is deterministic (and independent of the layout); it
+/// differs from the reference loops only by float rounding (the softmax is normalised once at the end
+/// instead of per weight). A head whose every logit is −inf gets 0/0 = NaN, as in the reference.
+/// O(Hq·t·d) flops, one read of K and V, O(G·kDecodeTile) floats of scratch.
 template <class Arch, class T>
 void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<const T>& keys,
                               const TensorView<const T>& values, const BiasView<float>& bias,
@@ -83,27 +191,43 @@ void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<
   const float scale = static_cast<float>(args.resolved_scale(d));
   const float cap = static_cast<float>(args.softcap);
   out.setZero(Hq, d);
-  std::vector<float> logit(static_cast<std::size_t>(G * t));  // (G, t)
-  std::vector<float> key_logits(static_cast<std::size_t>(G));
+  std::vector<float> e(static_cast<std::size_t>(G * kDecodeTile));  // (G, kDecodeTile) weights of one tile
+  std::vector<float> m(static_cast<std::size_t>(G)), l(static_cast<std::size_t>(G));
   for (Index g = 0; g < keys.heads; ++g) {
     const float* q = queries.row(g * G).data();  // (G, d), row stride d
     float* o = out.row(g * G).data();            // (G, d)
-    for (Index i = 0; i < t; ++i) {
-      simd::dot_rows<Arch>(q, d, G, keys.row(g, i), d, key_logits.data());
-      const float b = bias.at(g, i);
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.0f);
+    const float* bias_row = bias.data ? bias.data + g * bias.head_stride : nullptr;
+    for (Index i0 = 0; i0 < t; i0 += kDecodeTile) {
+      const Index len = std::min(kDecodeTile, t - i0);
+      for (Index h0 = 0; h0 < G; h0 += 4)
+        with_head_block(G - h0, [&](auto nh) {
+          decode_tile_scores<Arch, decltype(nh)::value>(q + h0 * d, keys, g, i0, len, h0 == 0,
+                                                        e.data() + h0 * kDecodeTile);
+        });
+      const Index bias_len = bias_row ? std::clamp<Index>(bias.length - i0, 0, len) : 0;
       for (Index h = 0; h < G; ++h) {
-        float s = key_logits[static_cast<std::size_t>(h)] * scale;
-        if (cap > 0.0f) s = cap * std::tanh(s / cap);
-        logit[static_cast<std::size_t>(h * t + i)] = s + b;
+        const float factor = decode_tile_softmax<Arch>(e.data() + h * kDecodeTile, len, scale, cap,
+                                                       bias_row + (bias_len > 0 ? i0 : 0), bias_len,
+                                                       m[static_cast<std::size_t>(h)], l[static_cast<std::size_t>(h)]);
+        if (factor != 1.0f) simd::scale<Arch>(o + h * d, factor, d);
+      }
+      for (Index r0 = 0; r0 < len; r0 += kDecodeRowBlock) {
+        const Index rows = std::min(kDecodeRowBlock, len - r0);
+        const Index next = i0 + r0 + kDecodeRowBlock;  // first row of the next block
+        const bool contiguous = values.token_stride == d;
+        const char* pf = contiguous && next < t ? reinterpret_cast<const char*>(values.row(g, next)) : nullptr;
+        const Index pf_bytes = pf ? std::min(kDecodeRowBlock, t - next) * d * static_cast<Index>(sizeof(T)) : 0;
+        for (Index h0 = 0; h0 < G; h0 += 4)
+          with_head_block(G - h0, [&](auto nh) {
+            decode_block_values<Arch, decltype(nh)::value>(e.data() + h0 * kDecodeTile + r0, kDecodeTile,
+                                                           values.row(g, i0 + r0), values.token_stride, rows, d,
+                                                           o + h0 * d, h0 == 0 ? pf : nullptr, pf_bytes);
+          });
       }
     }
-    for (Index h = 0; h < G; ++h) {
-      float* x = logit.data() + h * t;
-      const float mx = simd::max<Arch>(x, t);
-      const float sum = simd::exp_shift_sum<Arch>(x, t, mx);
-      simd::divide<Arch>(x, sum, t);
-    }
-    for (Index i = 0; i < t; ++i) simd::axpy_rows<Arch>(logit.data() + i, t, G, values.row(g, i), d, o, d);
+    for (Index h = 0; h < G; ++h) simd::divide<Arch>(o + h * d, l[static_cast<std::size_t>(h)], d);
   }
 }
 
@@ -111,7 +235,8 @@ void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<
 
 /// out (Hq, d) <- Σ_i softmax_i(softcap(scale·<q_h, k_{g,i}>) + bias_{g,i}) v_{g,i},  g = h / G.
 /// queries (Hq, d); keys, values [Hkv][t][d] (t = compressed entries + appended tokens).
-/// Throws kvc::error on inconsistent shapes. O(Hq·t·d) time, O(G·t) extra memory.
+/// Throws kvc::error on inconsistent shapes. O(Hq·t·d) time; extra memory O(G·min(t, kDecodeTile)) in
+/// float (detail::decode_attention_blocked), O(t) in double (the reference loops).
 template <class T>
 void decode_attention(const RowMatrix<compute_t<T>>& queries, const TensorView<const T>& keys,
                       const TensorView<const T>& values, const BiasView<compute_t<T>>& bias,

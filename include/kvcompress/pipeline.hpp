@@ -100,6 +100,7 @@ template <class Real>
 struct Workspace {
   std::vector<WindowWorkspace<Real>> window;
   std::vector<Vector<Real>> mass, score;
+  std::vector<Routing> routing;  // per worker: evicted → kept targets of its current head
 
   /// Bytes currently held.
   std::size_t bytes() const {
@@ -107,6 +108,7 @@ struct Workspace {
     for (const auto& w : window) b += w.bytes();
     for (const auto* vs : {&mass, &score})
       for (const auto& v : *vs) b += static_cast<std::size_t>(v.size()) * sizeof(Real);
+    for (const auto& r : routing) b += r.target.capacity() * sizeof(Index);
     return b;
   }
 };
@@ -317,9 +319,11 @@ class Pipeline {
     // 3. Per KV head: route, merge, compensate. The result's previous buffers are recycled.
     result.heads.resize(static_cast<std::size_t>(H));
     result.shared_positions = sel.shared;
-    parallel_for(H, args_.threads, [&](Index g, Index /*worker*/) {
+    if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
+      ws.routing.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
+    parallel_for(H, args_.threads, [&](Index g, Index worker) {
       const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
-      Routing routing;
+      Routing& routing = ws.routing[static_cast<std::size_t>(worker)];
       router().route(ctx, routing);  // π: (n − m_g) → kept index
 
       HeadResult<Real>& out = result.heads[g];

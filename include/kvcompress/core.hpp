@@ -302,9 +302,10 @@ Status check_finite(const TensorView<T>& v, const char* name) {
 }  // namespace detail
 
 namespace detail {
-/// validate_layer with the key scan separable (the pipeline folds it into window attention).
+/// validate_layer with the NaN/Inf scans of K, V and the window queries separable (the pipeline folds
+/// the K and V scans into the stages that read them anyway).
 template <class T>
-Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool check_values) {
+Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool check_values, bool check_queries) {
   KVC_RETURN_IF_ERROR(detail::check_view(layer.keys, "keys"));
   KVC_RETURN_IF_ERROR(detail::check_view(layer.values, "values"));
   KVC_RETURN_IF_ERROR(detail::check_view(layer.queries, "queries"));
@@ -324,13 +325,10 @@ Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool chec
                         concat("query heads (", layer.queries.heads,
                                ") must be a multiple of KV heads (", layer.keys.heads, ")"));
   if (check_keys) KVC_RETURN_IF_ERROR(detail::check_finite(layer.keys, "keys"));
-  if (check_values) {
-    KVC_RETURN_IF_ERROR(detail::check_finite(layer.values, "values"));
-    // Only the last window() query rows are read.
+  if (check_values) KVC_RETURN_IF_ERROR(detail::check_finite(layer.values, "values"));
+  if (check_queries)  // only the last window() query rows are read
     KVC_RETURN_IF_ERROR(detail::check_finite(
-        layer.queries.token_range(layer.queries.tokens - layer.window(), layer.window()),
-        "queries"));
-  }
+        layer.queries.token_range(layer.queries.tokens - layer.window(), layer.window()), "queries"));
   return Status::ok();
 }
 }  // namespace detail
@@ -338,7 +336,7 @@ Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool chec
 /// Checks shapes, strides and (optionally) finiteness of a layer. O(n·d·H) when `check_values`.
 template <class T>
 Status validate_layer(const LayerView<T>& layer, bool check_values = true) {
-  return detail::validate_layer_impl(layer, check_values, check_values);
+  return detail::validate_layer_impl(layer, check_values, check_values, check_values);
 }
 
 // -------------------------------------------------------------------------------------------------

@@ -41,6 +41,16 @@ template <class P>
 struct needs_mass<P, std::void_t<decltype(P::needs_mass)>> : std::bool_constant<P::needs_mass> {};
 
 template <class P, class = void>
+struct covers_keys : std::false_type {};
+template <class P>
+struct covers_keys<P, std::void_t<decltype(P::covers_keys)>> : std::bool_constant<P::covers_keys> {};
+
+template <class P, class = void>
+struct covers_values : std::false_type {};
+template <class P>
+struct covers_values<P, std::void_t<decltype(P::covers_values)>> : std::bool_constant<P::covers_values> {};
+
+template <class P, class = void>
 struct needs_routing : std::false_type {};
 template <class P>
 struct needs_routing<P, std::void_t<decltype(P::needs_routing)>> : std::bool_constant<P::needs_routing> {};
@@ -144,8 +154,8 @@ class Pipeline {
     typename Merger::Arguments merger{};
     typename Compensator::Arguments compensator{};
     RopeArguments reposition;  ///< off by default
-    bool check_finite = true;  ///< reject NaN/Inf in K, V and the window queries (one read of V and Q;
-                               ///< presets with window attention check K through its logits)
+    bool check_finite = true;  ///< reject NaN/Inf in K, V and the window queries; K and V are checked
+                               ///< through the logits / scores when a stage reads them anyway
     Index threads = 1;  ///< worker threads over KV heads; <= 1 = serial, no thread is created (parallel.hpp)
   };
 
@@ -158,13 +168,13 @@ class Pipeline {
   /// Non-throwing check of the layer, the budget and every stage's options.
   template <class T>
   Status validate(const LayerView<T>& layer, const Budget& budget) const {
-    return validate_impl(layer, budget, /*scan_keys=*/true);
+    return validate_impl(layer, budget, /*scan_keys=*/true, /*scan_values=*/true);
   }
 
   /// Per-head budgets (one entry per KV head, each ≥ 1; values ≥ n keep everything).
   template <class T>
   Status validate(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
-    return validate_impl(layer, budgets, /*scan_keys=*/true);
+    return validate_impl(layer, budgets, /*scan_keys=*/true, /*scan_values=*/true);
   }
 
 
@@ -204,12 +214,14 @@ class Pipeline {
   }
 
  private:
-  /// validate(); with scan_keys = false the NaN/Inf scan of the keys is left to window attention
-  /// (run() checks its logits, which are non-finite whenever a key is).
+  /// validate(); scan_keys / scan_values = false leave the NaN/Inf scan of K / V to the stage that
+  /// reads them anyway (run() checks the window logits or the scores, which are non-finite whenever
+  /// a key or value row is: see kFoldKeyScan, kFoldValueScan).
   template <class T>
-  Status validate_impl(const LayerView<T>& layer, const Budget& budget, bool scan_keys) const {
+  Status validate_impl(const LayerView<T>& layer, const Budget& budget, bool scan_keys, bool scan_values) const {
     KVC_RETURN_IF_ERROR(budget.validate());
-    KVC_RETURN_IF_ERROR(detail::validate_layer_impl(layer, args_.check_finite && scan_keys, args_.check_finite));
+    KVC_RETURN_IF_ERROR(detail::validate_layer_impl(layer, args_.check_finite && scan_keys,
+                                                    args_.check_finite && scan_values, args_.check_finite));
     const Index m = budget.resolve(layer.tokens());
     if (m <= 0)
       return Status::fail(Status::Code::invalid_budget,
@@ -219,8 +231,10 @@ class Pipeline {
   }
 
   template <class T>
-  Status validate_impl(const LayerView<T>& layer, const std::vector<Index>& budgets, bool scan_keys) const {
-    KVC_RETURN_IF_ERROR(detail::validate_layer_impl(layer, args_.check_finite && scan_keys, args_.check_finite));
+  Status validate_impl(const LayerView<T>& layer, const std::vector<Index>& budgets, bool scan_keys,
+                       bool scan_values) const {
+    KVC_RETURN_IF_ERROR(detail::validate_layer_impl(layer, args_.check_finite && scan_keys,
+                                                    args_.check_finite && scan_values, args_.check_finite));
     if (static_cast<Index>(budgets.size()) != layer.kv_heads())
       return Status::fail(Status::Code::invalid_budget,
                           detail::concat("budgets has ", budgets.size(), " entries, expected one per KV head (",
@@ -237,19 +251,41 @@ class Pipeline {
   static constexpr bool kNeedsMass = detail::needs_mass<Scorer>::value || detail::needs_mass<Router>::value ||
                                      detail::needs_mass<Merger>::value || detail::needs_mass<Compensator>::value;
 
-  /// Window attention's logits stand in for the scan of the keys (float arithmetic only).
+  /// Window attention's logits (float arithmetic) or a key-covering scorer's scores stand in for the
+  /// NaN/Inf scan of the keys; a value-covering scorer's scores for the scan of the values.
   template <class T>
-  static constexpr bool kFoldKeyScan = kNeedsMass && std::is_same_v<compute_t<T>, float>;
+  static constexpr bool kFoldKeyScan =
+      (kNeedsMass && std::is_same_v<compute_t<T>, float>) || detail::covers_keys<Scorer>::value;
+  static constexpr bool kFoldValueScan = detail::covers_values<Scorer>::value;
+
+  /// After stage 1 with check_finite: the folded K / V scans (kFoldKeyScan, kFoldValueScan). A
+  /// non-finite window logit or covering score means a non-finite key or value row (named as validate()
+  /// names it) or, when the rows are finite, an overflow. Nothing has been written to the result yet.
+  template <class T, class Real>
+  void check_folded_scans(const LayerView<T>& layer, const std::vector<char>& finite,
+                          const std::vector<Vector<Real>>& score) const {
+    constexpr bool covers = detail::covers_keys<Scorer>::value || detail::covers_values<Scorer>::value;
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      const bool logits_ok = finite[static_cast<std::size_t>(g)] != 0;
+      const bool score_ok = !covers || score[static_cast<std::size_t>(g)].allFinite();
+      if (logits_ok && score_ok) continue;
+      if (kFoldKeyScan<T>) detail::check_finite(layer.keys, "keys").throw_if_error();
+      if (kFoldValueScan) detail::check_finite(layer.values, "values").throw_if_error();
+      throw error(detail::concat(logits_ok ? "a score" : "a window-attention logit", " of KV head ", g,
+                                 " is not finite although keys, values and queries are: ",
+                                 logits_ok ? "a row norm overflows" : "|scale·<q, k>| overflows", " the arithmetic type"));
+    }
+  }
 
   /// validate() or throw; the per-head budgets clamped to n.
   template <class T>
   std::vector<Index> checked_budgets(const LayerView<T>& layer, const Budget& budget) const {
-    validate_impl(layer, budget, !kFoldKeyScan<T>).throw_if_error();
+    validate_impl(layer, budget, !kFoldKeyScan<T>, !kFoldValueScan).throw_if_error();
     return std::vector<Index>(layer.kv_heads(), std::min(budget.resolve(layer.tokens()), layer.tokens()));
   }
   template <class T>
   std::vector<Index> checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
-    validate_impl(layer, budgets, !kFoldKeyScan<T>).throw_if_error();
+    validate_impl(layer, budgets, !kFoldKeyScan<T>, !kFoldValueScan).throw_if_error();
     std::vector<Index> clamped(budgets);
     for (auto& b : clamped) b = std::min(b, layer.tokens());
     return clamped;
@@ -303,14 +339,7 @@ class Pipeline {
       scorer().score(layer, g, mass[g], score[g]);
     });
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(scratch);  // one-shot run(): free it now
-    if (args_.check_finite)
-      for (Index g = 0; g < H; ++g)
-        if (!finite[static_cast<std::size_t>(g)]) {
-          // A non-finite key makes every logit of its row non-finite; name it as validate() would.
-          detail::check_finite(layer.keys, "keys").throw_if_error();
-          throw error(detail::concat("window attention: a logit of KV head ", g,
-                                     " is not finite although keys and queries are (|scale·<q, k>| overflows)"));
-        }
+    if (args_.check_finite) check_folded_scans(layer, finite, score);
 
     // 2. Selection. kept[g]: (m_g) ascending
     Selection<Real> sel;

@@ -140,6 +140,20 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("overflows"));
     b.keys.data = k_before;
     b.queries.data = q_before;
+    // Scorers that read every row fold the scan of what they read: ValueWeighted (V), KeyNorm (K).
+    b.values.view.row(1, 3)[1] = -std::numeric_limits<float>::infinity();
+    CHECK_THAT(error_of([&] { SelKVEvict{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
+    b.values.view.row(1, 3)[1] = 3e19f;  // finite, but its squared norm overflows
+    CHECK(SelKV{}.validate(layer, Budget::ratio(0.5)));
+    CHECK_THAT(error_of([&] { SelKV{}.run(layer, Budget::ratio(0.5)); }),
+               Catch::Contains("score of KV head 1") && Catch::Contains("overflows"));
+    b.values.data = v_before;
+    b.keys.view.row(0, 11)[6] = std::numeric_limits<float>::quiet_NaN();
+    CHECK_THAT(error_of([&] { KNorm{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[0][11][6]"));
+    b.keys.view.row(0, 11)[6] = 3e19f;
+    CHECK_THAT(error_of([&] { KNorm{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("overflows"));
+    b.keys.data = k_before;
     // half storage (float arithmetic, folded) and double arithmetic (scanned up front) name it too.
     ref::Tensor3 K = f.K;
     K.at(1, 9, 0) = std::numeric_limits<double>::quiet_NaN();

@@ -32,6 +32,9 @@ struct AttentionMass {
 struct ValueWeighted {
   struct Arguments {};
   static constexpr bool needs_mass = true;
+  /// Its score is NaN/Inf whenever a value row is (through the row norm), so the pipeline checks the
+  /// scores instead of reading V a second time for the NaN/Inf scan.
+  static constexpr bool covers_values = true;
   Arguments args;
 
   Status validate() const { return Status::ok(); }
@@ -51,6 +54,8 @@ struct ValueWeighted {
 struct KeyNorm {
   struct Arguments {};
   static constexpr bool needs_mass = false;
+  /// Its score is NaN/Inf whenever a key row is (see ValueWeighted::covers_values).
+  static constexpr bool covers_keys = true;
   Arguments args;
 
   Status validate() const { return Status::ok(); }

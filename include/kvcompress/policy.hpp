@@ -7,6 +7,8 @@
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -43,6 +45,83 @@ struct HeadDiagnostics {
   bool key_step_rejected = false;  ///< the optional safeguard undid the key step
 };
 
+/// Window outputs Y = A·V_g (G·W, d) of KV head g straight from the layer. For float arithmetic one
+/// fused pass per key tile (flash-attention style): logits (G·W, tile) by one product, the online causal
+/// softmax epilogue (simd::softmax_tile), the tile's contribution exps·V_tile, the running outputs
+/// rescaled when a row's maximum grows; the (G·W, n) probabilities are never stored. Equals
+/// window_probabilities(...)·V up to rounding. Cost: two (G·W × d × n) products + G·W·n exponentials;
+/// memory O(G·W·(tile + d)).
+template <class Real, class T>
+void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments& args, RowMatrix<Real>& Y) {
+  const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
+  const Index R = G * W;
+  if constexpr (std::is_same_v<Real, float>) {
+    using Arch = simd::default_arch;
+    constexpr Index tile = detail::kSoftmaxTile;
+    const float scale = static_cast<float>(args.resolved_scale(d));
+    const float cap = static_cast<float>(args.softcap);
+    const RowMatrix<float> q = gather_group_queries<float>(layer, g);  // (R, d)
+    RowMatrix<float> exps(R, tile), part(R, d), ktile, vtile;           // (R, tile), (R, d)
+    if constexpr (!std::is_same_v<T, float>) {
+      ktile.resize(std::min(tile, n), d);
+      vtile.resize(std::min(tile, n), d);
+    }
+    Vector<float> row_max = Vector<float>::Constant(R, -std::numeric_limits<float>::infinity());
+    Vector<float> row_sum = Vector<float>::Zero(R), shift(R);
+    Vector<float> applied = row_max;  // (R) the maximum Y's rows are currently relative to
+    std::vector<Index> live(static_cast<std::size_t>(R));
+    Y.setZero(R, d);
+    for (Index j0 = 0; j0 < n; j0 += tile) {
+      const Index cnt = std::min(tile, n - j0);
+      auto block = exps.leftCols(cnt);
+      if constexpr (std::is_same_v<T, float>) {
+        block.noalias() = scale * (q * detail::map_rows<float>(layer.keys, g, j0, cnt).transpose());
+      } else {
+        auto keys = ktile.topRows(cnt);
+        detail::gather_rows<float>(layer.keys, g, j0, cnt, keys);
+        block.noalias() = scale * (q * keys.transpose());
+      }
+      for (Index r = 0; r < R; ++r) live[static_cast<std::size_t>(r)] = n - W + r % W + 1 - j0;
+      simd::softmax_tile<Arch>(exps.data(), tile, R, cnt, live.data(), cap, row_max.data(), row_sum.data(),
+                               shift.data());
+      if constexpr (std::is_same_v<T, float>) {
+        part.noalias() = block * detail::map_rows<float>(layer.values, g, j0, cnt);
+      } else {
+        auto values = vtile.topRows(cnt);
+        detail::gather_rows<float>(layer.values, g, j0, cnt, values);
+        part.noalias() = block * values;
+      }
+      for (Index r = 0; r < R; ++r) {
+        if (shift[r] != applied[r]) {  // the row's maximum grew: rescale what was accumulated
+          if (applied[r] != -std::numeric_limits<float>::infinity())
+            Y.row(r) *= std::exp(applied[r] - shift[r]);
+          applied[r] = shift[r];
+        }
+        Y.row(r) += part.row(r);
+      }
+    }
+    for (Index r = 0; r < R; ++r)
+      if (row_sum[r] > 0.0f) Y.row(r) *= 1.0f / row_sum[r];
+  } else {  // the reference path: probabilities, then one product
+    RowMatrix<Real> A;  // (R, n)
+    window_probabilities<Real>(layer, g, args, A);
+    KVC_ASSERT(A.rows() == R);
+    (void)R;
+    if constexpr (std::is_same_v<T, Real>) {
+      Y.noalias() = A * detail::map_rows<Real>(layer.values, g, 0, n);
+    } else {
+      Y.setZero(R, d);
+      RowMatrix<Real> tile(std::min<Index>(detail::kKeyTile, n), d);
+      for (Index j0 = 0; j0 < n; j0 += detail::kKeyTile) {
+        const Index count = std::min<Index>(detail::kKeyTile, n - j0);
+        auto rows = tile.topRows(count);
+        detail::gather_rows<Real>(layer.values, g, j0, count, rows);
+        Y.noalias() += A.middleCols(j0, count) * rows;
+      }
+    }
+  }
+}
+
 /// Everything a per-head policy (router, merger, compensator) may read about KV head `head`.
 /// Views point into the caller's memory (read only). Window probabilities are computed on first use.
 template <class T>
@@ -52,9 +131,9 @@ class HeadContext {
 
   HeadContext(const LayerView<T>& layer, Index head, const AttentionArguments& attention,
               const Vector<Real>& mass, const Vector<Real>& score, const std::vector<Index>& kept,
-              const std::vector<Index>& evicted)
+              const std::vector<Index>& evicted, const RowMatrix<Real>* window_outputs = nullptr)
       : layer_(layer), head_(head), attention_(attention), mass_(mass), score_(score), kept_(kept),
-        evicted_(evicted) {}
+        evicted_(evicted), given_outputs_(window_outputs) {}
 
   const LayerView<T>& layer() const { return layer_; }
   Index head() const { return head_; }
@@ -86,6 +165,24 @@ class HeadContext {
     return *probs_;
   }
 
+  /// (G·W, d) window outputs Y = A·V_g of this head's query group (rows as in probabilities()): the
+  /// matrix handed to the constructor (a pipeline that still holds the head's window exponentials
+  /// from the scorer stage can form it with one (G·W × n × d) product), else from probabilities()
+  /// when they are already cached, else computed on first use by the fused window_outputs (no
+  /// (G·W, n) matrix).
+  const RowMatrix<Real>& window_outputs() const {
+    if (given_outputs_) return *given_outputs_;
+    if (!outputs_) {
+      outputs_.emplace();
+      if (probs_) {
+        outputs_from_probabilities(*probs_, *outputs_);
+      } else {
+        kvc::window_outputs<Real>(layer_, head_, attention_, *outputs_);
+      }
+    }
+    return *outputs_;
+  }
+
  private:
   const LayerView<T>& layer_;
   Index head_;
@@ -94,7 +191,26 @@ class HeadContext {
   const Vector<Real>& score_;
   const std::vector<Index>& kept_;
   const std::vector<Index>& evicted_;
+  // Y = A·V from normalised probabilities A (R, n).
+  void outputs_from_probabilities(const RowMatrix<Real>& A, RowMatrix<Real>& Y) const {
+    const Index n = tokens(), d = head_dim();
+    if constexpr (std::is_same_v<T, Real>) {
+      Y.noalias() = A * detail::map_rows<Real>(layer_.values, head_, 0, n);
+    } else {
+      Y.setZero(A.rows(), d);
+      RowMatrix<Real> tile(std::min<Index>(detail::kKeyTile, n), d);
+      for (Index j0 = 0; j0 < n; j0 += detail::kKeyTile) {
+        const Index count = std::min<Index>(detail::kKeyTile, n - j0);
+        auto rows = tile.topRows(count);
+        detail::gather_rows<Real>(layer_.values, head_, j0, count, rows);
+        Y.noalias() += A.middleCols(j0, count) * rows;
+      }
+    }
+  }
+
+  const RowMatrix<Real>* given_outputs_ = nullptr;
   mutable std::optional<RowMatrix<Real>> probs_;
+  mutable std::optional<RowMatrix<Real>> outputs_;
 };
 
 /// Router output for one head: for each evicted token (in ctx.evicted() order) the index into

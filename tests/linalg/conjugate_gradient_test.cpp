@@ -204,3 +204,31 @@ TEST_CASE("CG on a matrix-free normal operator J Jᵀ + λI", "[linalg][cg]") {
   // cond ≈ (σ_max² + λ)/λ ≈ 4e3: the error is bounded by cond · tolerance.
   CHECK((x - expected).norm() <= 1e-7 * expected.norm());
 }
+
+TEMPLATE_TEST_CASE("CG step observer: Σ a·p over the reported steps is the solution", "[linalg][cg]", float, double) {
+  using Real = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(108);
+  const Index N = 40;
+  const Eigen::MatrixXd A = random_spd(rng, N);
+  const kvc::Vector<Real> b = kvc::test::random_matrix(rng, N, 1).cast<Real>();
+  const kvc::RowMatrix<Real> Ar = A.cast<Real>();
+  // A linear image L·x accumulated along the steps, as GRKV's key step does for Jᵀx.
+  const kvc::RowMatrix<Real> L = kvc::test::random_matrix(rng, 7, N).cast<Real>();
+  kvc::Vector<Real> last_Lp(7), Lx = kvc::Vector<Real>::Zero(7), x;
+  Index steps = 0;
+  kvc::ConjugateGradient<Real> cg({Tol<Real>::cg, 200});
+  cg.solve(
+      [&](const kvc::Vector<Real>& in, kvc::Vector<Real>& out) {
+        out.noalias() = Ar * in;
+        last_Lp.noalias() = L * in;
+      },
+      b, x, [&](Real a) {
+        Lx += a * last_Lp;
+        ++steps;
+      });
+  CHECK(cg.info() == SolverStatus::converged);
+  CHECK(steps == cg.iterations());
+  const kvc::Vector<Real> expected = L * x;
+  CHECK((Lx - expected).norm() <= Tol<Real>::solution * expected.norm());  // rounding only
+}

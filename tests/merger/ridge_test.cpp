@@ -329,6 +329,35 @@ TEMPLATE_TEST_CASE("JVP and VJP match finite differences and the explicit Jacobi
   }
 }
 
+TEMPLATE_TEST_CASE("the fused normal operator equals J Jᵀ + λI and exposes Jᵀ", "[ridge]", float, double) {
+  using Real = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(207);
+  struct Shape { long n, W, G, d, m; double softcap; };
+  // R <= 2d (Gram path Q Qᵀ) and R > 2d (two products through ΔK_U).
+  for (const Shape s : {Shape{40, 4, 2, 8, 18, 0.0}, Shape{36, 5, 3, 6, 17, 2.0}, Shape{36, 5, 3, 4, 17, 0.0}}) {
+    const long R = s.G * s.W;
+    INFO("R " << R << " d " << s.d << " softcap " << s.softcap);
+    const DenseCase c = make_case<Real>(rng, s.n, s.W, s.G, s.d, s.m, s.softcap, 3.0);
+    const long u = static_cast<long>(c.free.size()), d = c.d;
+    REQUIRE(u > 0);
+    const auto jac = kvc::ridge::key_jacobian(to_rm<Real>(c.Q), to_rm<Real>(c.K0), to_rm<Real>(c.V0),
+                                              c.attention(), to_index(c.free));
+    const Mat J = ref::jacobian(c.Q, c.K0, c.V0, c.visible, c.scale, s.softcap, c.free);
+    const double lambda = 0.05;
+    kvc::ridge::detail::KeyNormalOperator<Real> op(jac, lambda);
+    const Mat gamma = round_to<Real>(kvc::test::random_matrix(rng, R, d));
+    const RowMatrix<Real> in = to_rm<Real>(gamma);
+    RowMatrix<Real> out(R, d);
+    op.apply(in.data(), out.data());
+    const Mat expected = ref::unvec(J * (J.transpose() * ref::vec(gamma)) + lambda * ref::vec(gamma), R, d);
+    CHECK(rel(to_mat(out), expected) <= Tol<Real>::derivative);
+    // Jᵀγ = M'ᵀ Q from the same application.
+    const RowMatrix<Real> dK = op.last_vjp().transpose() * jac.queries;
+    CHECK(rel(to_mat(dK), ref::unvec(J.transpose() * ref::vec(gamma), u, d)) <= Tol<Real>::derivative);
+  }
+}
+
 TEMPLATE_TEST_CASE("key step: CG solution matches the dense (J Jᵀ + λI) solve", "[ridge]", float, double) {
   using Real = TestType;
   INFO("seed " << kvc::test::test_seed());
@@ -516,6 +545,38 @@ void oracle(const Layer<T>& layer, long g, const std::vector<long>& kept, const 
 }
 
 }  // namespace
+
+TEMPLATE_TEST_CASE("window outputs Y = A·V: fused and through the head context",
+                   "[ridge][policy]", float, double, Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  using Real = kvc::compute_t<T>;
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(304);
+  const Layer<T> layer(rng, 2, 2, 600, 8, 8, 3.0);  // several key tiles; maxima move between tiles
+  for (const double softcap : {0.0, 5.0}) {
+    kvc::AttentionArguments attention;
+    attention.softcap = softcap;
+    for (long g = 0; g < layer.Hkv; ++g) {
+      INFO("head " << g << " softcap " << softcap);
+      RowMatrix<Real> A;
+      kvc::window_probabilities<Real>(layer.view, g, attention, A);
+      const Mat expected = to_mat(A) * layer.V[static_cast<std::size_t>(g)];
+      RowMatrix<Real> fused;
+      kvc::window_outputs<Real>(layer.view, g, attention, fused);
+      CHECK(rel(to_mat(fused), expected) <= Tol<Real>::probs);
+      // The context: computed on first use (fused, or from cached probabilities), or handed to it.
+      const kvc::Vector<Real> mass = kvc::Vector<Real>::Zero(layer.n);
+      const std::vector<Index> kept{0, 1}, evicted;
+      const kvc::HeadContext<T> ctx(layer.view, g, attention, mass, mass, kept, evicted);
+      CHECK(rel(to_mat(ctx.window_outputs()), expected) <= Tol<Real>::probs);
+      const kvc::HeadContext<T> cached(layer.view, g, attention, mass, mass, kept, evicted);
+      CHECK(to_mat(cached.probabilities()) == to_mat(A));
+      CHECK(rel(to_mat(cached.window_outputs()), expected) <= Tol<Real>::probs);
+      const kvc::HeadContext<T> given(layer.view, g, attention, mass, mass, kept, evicted, &fused);
+      CHECK(&given.window_outputs() == &fused);
+    }
+  }
+}
 
 TEMPLATE_TEST_CASE("RidgeMerge matches the oracle on random layers", "[ridge][policy]", float, double, Eigen::half,
                    Eigen::bfloat16) {

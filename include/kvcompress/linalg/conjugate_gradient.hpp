@@ -55,6 +55,17 @@ class ConjugateGradient {
   /// Returns info().
   template <class Operator>
   SolverStatus solve(const Operator& apply, const Vector<Real>& rhs, Vector<Real>& x) {
+    return solve(apply, rhs, x, [](Real) {});
+  }
+
+  /// As above, and `on_step(Real a)` is called right after every update x ← x + a·p, while `out` of the
+  /// operator application that produced it (A·p) is still the caller's last one; a step undone on
+  /// breakdown is reported as on_step(−a). A caller that needs a linear image L·x of the solution can
+  /// accumulate a·(L·p) alongside the operator instead of applying L to x afterwards (GRKV's key step
+  /// does this for Jᵀ·x). `x` starts from zero in that use (the initial guess is not reported).
+  template <class Operator, class StepObserver>
+  SolverStatus solve(const Operator& apply, const Vector<Real>& rhs, Vector<Real>& x,
+                     const StepObserver& on_step) {
     const Index N = rhs.size();
     iterations_ = 0;
     if (x.size() != N) x.setZero(N);
@@ -86,11 +97,13 @@ class ConjugateGradient {
       if (!(pAp > 0.0) || !std::isfinite(pAp)) return finish(SolverStatus::breakdown, relative(rr));
       const Real alpha = static_cast<Real>(rr / pAp);
       x.noalias() += alpha * p;
+      on_step(alpha);
       r.noalias() -= alpha * Ap;
       ++iterations_;
       const double rr_new = static_cast<double>(r.squaredNorm());
       if (!std::isfinite(rr_new)) {
         x.noalias() -= alpha * p;  // back to the last finite iterate
+        on_step(-alpha);
         return finish(SolverStatus::breakdown, relative(rr));
       }
       if (std::sqrt(rr_new) <= threshold) return finish(SolverStatus::converged, relative(rr_new));

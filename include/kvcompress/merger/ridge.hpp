@@ -30,8 +30,16 @@ namespace kvc {
 ///
 /// Cost per head and step, R = G·W rows, m kept, u = |U|, d head dimension:
 ///   value step O(R²·u + R³ + R·m·d); key step O(R·m·d) to linearise plus, per CG iteration, one JVP and
-///   one VJP, each two (R×d×u) products (u <= m). Y costs one R×n×d product. Memory O(R·(n + m + d)).
+///   one VJP fused into three (R×d×u)-sized products (R <= 2d; u <= m). Y = A_full·V costs one R×n×d
+///   product when the caller hands it over (HeadContext's window_outputs), else the window attention
+///   again (two R×n×d products, fused per key tile). Memory O(R·(m + d)) plus O(R·n) only when the
+///   context already holds the probabilities.
 struct RidgeMerge {
+  /// Reads HeadContext::window_outputs() (Y = A·V): a pipeline that still holds the scorer's window
+  /// exponentials of the head can form Y with one product and hand it to the context, which saves
+  /// the merger a second window attention pass.
+  static constexpr bool needs_window_outputs = true;
+
   struct Arguments {
     double lambda_v = 1e-2;  ///< ridge weight of the value step (> 0)
     double lambda_k = 1e-2;  ///< ridge weight of the key step (> 0)
@@ -195,39 +203,93 @@ Eigen::MatrixXd free_columns(const RowMatrix<Real>& X, const std::vector<Index>&
     XU.col(static_cast<Index>(k)) = X.col(free[k]).template cast<double>();
   return XU;
 }
+
+/// out (R, u) = the columns `free` (ascending) of X, gathered row by row (contiguous writes). O(R·u).
+template <class Real>
+void gather_columns(const RowMatrix<Real>& X, const std::vector<Index>& free, RowMatrix<Real>& out) {
+  const Index R = X.rows(), m = X.cols(), u = static_cast<Index>(free.size());
+  out.resize(R, u);
+  for (Index r = 0; r < R; ++r) {
+    const Real* x = X.data() + r * m;
+    Real* o = out.data() + r * u;
+    for (Index k = 0; k < u; ++k) o[k] = x[free[static_cast<std::size_t>(k)]];
+  }
+}
+
+/// The value step's dual system in double (SPEC §9): Z = Y − X V⁰ (R, d) and gram = X_U X_Uᵀ + λ I
+/// (R, R; lower triangle), streamed over chunks of kept columns cast to double, so no (R, m) double copy
+/// exists. Products of two floats are exact in double: both are accurate to double rounding.
+/// O(R·m·d + R²·u/2) double multiply-adds, O(R·(R + d) + chunk·(R + d)) memory.
+template <class Real>
+void dual_system(const RowMatrix<Real>& X,   // (R, m)
+                 const RowMatrix<Real>& V0,  // (m, d)
+                 const RowMatrix<Real>& Y,   // (R, d)
+                 const std::vector<Index>& free, double lambda, Eigen::MatrixXd& gram, Eigen::MatrixXd& Z) {
+  constexpr Index kChunk = 128;  // kept columns per chunk: (R, chunk) and (chunk, d) doubles stay in L2
+  const Index R = X.rows(), m = X.cols(), d = V0.cols();
+  Z = Y.template cast<double>();
+  gram.setZero(R, R);
+  const Index width = std::min(kChunk, m);
+  Eigen::MatrixXd xc(R, width), xu(R, width);                                 // (R, chunk)
+  Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> vc(width, d);  // (chunk, d)
+  std::size_t next = 0;  // first free index not yet in gram
+  for (Index j0 = 0; j0 < m; j0 += kChunk) {
+    const Index c = std::min(kChunk, m - j0);
+    xc.leftCols(c) = X.middleCols(j0, c).template cast<double>();
+    vc.topRows(c) = V0.middleRows(j0, c).template cast<double>();
+    Z.noalias() -= xc.leftCols(c) * vc.topRows(c);
+    Index cu = 0;
+    for (; next < free.size() && free[next] < j0 + c; ++next) xu.col(cu++) = xc.col(free[next] - j0);
+    if (cu > 0) gram.template selfadjointView<Eigen::Lower>().rankUpdate(xu.leftCols(cu));
+  }
+  gram.diagonal().array() += lambda;
+}
+
+/// V_U ← V_U⁰ + X_Uᵀ·sol, V_F ← V_F⁰, with XU (R, u) the free columns of X and sol (R, d) the dual
+/// solution. The product is in Real: it is well conditioned (X ≥ 0, rows sum to <= 1) and its rounding
+/// is that of the stored result. `V` may be the same object as `V0`. O(R·u·d).
+template <class Real>
+void apply_value_update(const RowMatrix<Real>& XU, const Eigen::MatrixXd& sol, const RowMatrix<Real>& V0,
+                        const std::vector<Index>& free, RowMatrix<Real>& V) {
+  const RowMatrix<Real> z = sol.template cast<Real>();  // (R, d)
+  const RowMatrix<Real> delta = XU.transpose() * z;     // (u, d)
+  if (&V != &V0) V = V0;
+  for (std::size_t k = 0; k < free.size(); ++k)
+    V.row(free[k]) = V0.row(free[k]) + delta.row(static_cast<Index>(k));
+}
 }  // namespace detail
 
 /// Value step through the dual (Woodbury) form, SPEC §9:
 ///
 ///   V_U ← V_U⁰ + X_Uᵀ (X_U X_Uᵀ + λ I)⁻¹ (Y − X V⁰),   V_F ← V_F⁰
 ///
-/// The (R, R) system is formed and solved in double by Cholesky (LDLT fallback): its eigenvalues lie
-/// in [λ, λ + ‖X_U‖²] with ‖X_U‖² up to R, so with λ = 1e-2 the condition number reaches ~100·R, and the
-/// residual Y − X V⁰ is a difference of nearly equal outputs; in float both would lose most of the
-/// digits of the update. Inputs and result stay in Real. `V` may be the same object as `V0`. If the
-/// solve fails (non-finite input) V = V⁰.
+/// The (R, R) system and its right-hand side are formed and solved in double by Cholesky (LDLT
+/// fallback): its eigenvalues lie in [λ, λ + ‖X_U‖²] with ‖X_U‖² up to R, so with λ = 1e-2 the
+/// condition number reaches ~100·R, and the residual Y − X V⁰ is a difference of nearly equal outputs;
+/// in float both would lose most of the digits of the update. The final product X_Uᵀ·solution is in
+/// Real (detail::apply_value_update). Inputs and result stay in Real. `V` may be the same object as
+/// `V0`. If the solve fails (non-finite input) V = V⁰.
 ///
-/// O(R²·u + R³/3 + R·m·d + R·u·d) time, O(R·(R + u + d)) memory.
+/// O(R²·u/2 + R³/3 + R·m·d) double and O(R·u·d) Real time, O(R·(R + u + d)) memory.
 template <class Real>
 void value_step_dual(const RowMatrix<Real>& X,   // (R, m) probabilities at the current keys
                      const RowMatrix<Real>& V0,  // (m, d) original kept values
                      const RowMatrix<Real>& Y,   // (R, d) full-cache targets
                      const std::vector<Index>& free, double lambda,
                      RowMatrix<Real>& V) {  // (m, d) out
-  const Eigen::MatrixXd XU = detail::free_columns(X, free);                           // (R, u)
-  Eigen::MatrixXd Z = Y.template cast<double>() -
-                      X.template cast<double>() * V0.template cast<double>();         // (R, d)
-  Eigen::MatrixXd gram(X.rows(), X.rows());                                            // (R, R)
-  gram.setZero();
-  gram.template selfadjointView<Eigen::Lower>().rankUpdate(XU);
-  gram.diagonal().array() += lambda;
-  const bool solved = !free.empty() && linalg::solve_spd(gram, Z);
-  if (&V != &V0) V = V0;
-  if (!solved) return;
-  const Eigen::MatrixXd delta = XU.transpose() * Z;  // (u, d)
-  for (std::size_t k = 0; k < free.size(); ++k)
-    V.row(free[k]) = (V0.row(free[k]).template cast<double>() + delta.row(static_cast<Index>(k)))
-                         .template cast<Real>();
+  bool solved = false;
+  Eigen::MatrixXd gram, Z;  // (R, R), (R, d)
+  if (!free.empty()) {
+    detail::dual_system(X, V0, Y, free, lambda, gram, Z);
+    solved = linalg::solve_spd(gram, Z);
+  }
+  if (!solved) {
+    if (&V != &V0) V = V0;
+    return;
+  }
+  RowMatrix<Real> XU;  // (R, u)
+  detail::gather_columns(X, free, XU);
+  detail::apply_value_update(XU, Z, V0, free, V);
 }
 
 /// Value step in the primal form (SPEC §9), mathematically equal to value_step_dual:
@@ -279,27 +341,48 @@ struct KeyJacobian {
   Index free_count() const { return free_values.rows(); }
 };
 
+namespace detail {
+/// KeyJacobian from a linearisation point already evaluated: XU (R, u) the free columns of the
+/// probabilities X (taken over: it becomes the weights in place), chain (R, m) the soft-cap slope
+/// (nullptr without soft-cap), f = X·V (R, d). O(R·u + u·d).
+template <class Real>
+KeyJacobian<Real> jacobian_from(const RowMatrix<Real>& Q, RowMatrix<Real> XU, const RowMatrix<Real>* chain,
+                                const RowMatrix<Real>& V, RowMatrix<Real> f, const Attention& att,
+                                const std::vector<Index>& free) {
+  const Index R = Q.rows(), d = Q.cols(), u = static_cast<Index>(free.size());
+  KVC_ASSERT(XU.rows() == R && XU.cols() == u);
+  KeyJacobian<Real> jac;
+  jac.queries = Q;
+  jac.outputs = std::move(f);
+  const Real s = static_cast<Real>(att.scale);
+  jac.weights = std::move(XU);
+  for (Index r = 0; r < R; ++r) {
+    Real* w = jac.weights.data() + r * u;
+    if (chain) {
+      const Real* c = chain->data() + r * chain->cols();
+      for (Index k = 0; k < u; ++k) w[k] = s * (w[k] * c[free[static_cast<std::size_t>(k)]]);
+    } else {
+      for (Index k = 0; k < u; ++k) w[k] = s * w[k];
+    }
+  }
+  jac.free_values.resize(u, d);
+  for (Index k = 0; k < u; ++k) jac.free_values.row(k) = V.row(free[static_cast<std::size_t>(k)]);
+  return jac;
+}
+}  // namespace detail
+
 /// Linearises f at (K, V) for the free rows `free` of K. O(R·m·d).
 template <class Real>
 KeyJacobian<Real> key_jacobian(const RowMatrix<Real>& Q,  // (R, d)
                                const RowMatrix<Real>& K,  // (m, d) current keys
                                const RowMatrix<Real>& V,  // (m, d) current values
                                const Attention& att, const std::vector<Index>& free) {
-  const Index R = Q.rows(), d = Q.cols(), u = static_cast<Index>(free.size());
-  RowMatrix<Real> X, chain;  // (R, m)
-  probabilities(Q, K, att, X, &chain);
-  KeyJacobian<Real> jac;
-  jac.queries = Q;
-  jac.outputs.noalias() = X * V;
-  jac.weights.resize(R, u);
-  jac.free_values.resize(u, d);
-  const Real s = static_cast<Real>(att.scale);
-  for (Index k = 0; k < u; ++k) {
-    const Index j = free[static_cast<std::size_t>(k)];
-    jac.weights.col(k) = s * X.col(j).cwiseProduct(chain.col(j));
-    jac.free_values.row(k) = V.row(j);
-  }
-  return jac;
+  const bool capped = att.softcap > 0.0;
+  RowMatrix<Real> X, chain, XU;  // (R, m), (R, m) with soft-cap only, (R, u)
+  probabilities(Q, K, att, X, capped ? &chain : nullptr);
+  detail::gather_columns(X, free, XU);
+  RowMatrix<Real> f = X * V;  // (R, d)
+  return detail::jacobian_from(Q, std::move(XU), capped ? &chain : nullptr, V, std::move(f), att, free);
 }
 
 /// JVP, Δf = J·ΔK_U (R, d) (SPEC §9):  ΔS = s·Q ΔKᵀ (⊙ (1 − tanh²) with soft-cap),
@@ -333,13 +416,127 @@ struct KeyStepReport {
   SolverStatus status = SolverStatus::not_run;
 };
 
+namespace detail {
+/// The key step's normal operator Γ ↦ (J Jᵀ + λ I) Γ on (R, d) matrices, the VJP and the JVP fused:
+///
+///   M' = W ⊙ (Γ V_Uᵀ − rowsum(Γ ⊙ f) 1ᵀ)   (R, u)   the VJP is ΔK_U = M'ᵀ Q
+///   P  = W ⊙ (Q Qᵀ M')                       (R, u)   = W ⊙ (Q ΔK_Uᵀ), the JVP's logit change
+///   out = P V_U − rowsum(P) ⊙ f + λ Γ
+///
+/// With R <= 2d the (R, R) Gram matrix Q Qᵀ turns the two (R×d×u) products through ΔK_U into one
+/// (R×R×u): three products per application instead of four (R = d = 128 for Llama-style GQA). Buffers
+/// are allocated once. `last_vjp()` is M' of the last application, so Jᵀ of a CG iterate can be
+/// accumulated step by step (Jᵀ x = (Σ a·M')ᵀ Q) instead of paying a VJP at the end.
+template <class Real>
+class KeyNormalOperator {
+ public:
+  KeyNormalOperator(const KeyJacobian<Real>& jac, double lambda)
+      : jac_(jac), lambda_(static_cast<Real>(lambda)), use_gram_(jac.rows() <= 2 * jac.dim()) {
+    const Index R = jac.rows(), u = jac.free_count();
+    if (use_gram_) gram_.noalias() = jac.queries * jac.queries.transpose();  // (R, R)
+    M_.resize(R, u);
+    N_.resize(R, u);
+    t_.resize(R);
+    mass_.resize(R);
+  }
+
+  /// out = (J Jᵀ + λ I)·in, both (R, d) row-major (R·d contiguous values).
+  void apply(const Real* in, Real* out) {
+    const Index R = jac_.rows(), d = jac_.dim();
+    const Eigen::Map<const RowMatrix<Real>> gamma(in, R, d);
+    Eigen::Map<RowMatrix<Real>> result(out, R, d);
+    const RowMatrix<Real>& f = jac_.outputs;
+    const RowMatrix<Real>& W = jac_.weights;
+    const RowMatrix<Real>& VU = jac_.free_values;
+    t_.noalias() = gamma.cwiseProduct(f).rowwise().sum();
+    M_.noalias() = gamma * VU.transpose();
+    for (Index r = 0; r < R; ++r) M_.row(r).array() = (M_.row(r).array() - t_[r]) * W.row(r).array();
+    if (use_gram_) {
+      N_.noalias() = gram_ * M_;
+    } else {
+      dK_.noalias() = M_.transpose() * jac_.queries;  // (u, d)
+      N_.noalias() = jac_.queries * dK_.transpose();
+    }
+    for (Index r = 0; r < R; ++r) {
+      N_.row(r).array() *= W.row(r).array();
+      mass_[r] = N_.row(r).sum();
+    }
+    result.noalias() = N_ * VU;
+    for (Index r = 0; r < R; ++r) result.row(r) += lambda_ * gamma.row(r) - mass_[r] * f.row(r);
+  }
+
+  /// (R, u) M' of the last apply(): Jᵀ·in = M'ᵀ Q.
+  const RowMatrix<Real>& last_vjp() const { return M_; }
+
+ private:
+  const KeyJacobian<Real>& jac_;
+  Real lambda_;
+  bool use_gram_;
+  RowMatrix<Real> gram_;     // (R, R) Q Qᵀ
+  RowMatrix<Real> M_, N_;    // (R, u)
+  RowMatrix<Real> dK_;       // (u, d), only when R > 2d
+  Vector<Real> t_, mass_;    // (R)
+};
+
+/// The key step at a linearisation `jac` (at the current keys K) with e = Y − f(K) (R, d), SPEC §9.
+/// `K0` may be the same object as `K` (anchor = current keys). With `finite` given, non-finite new
+/// rows are not written (K unchanged, *finite = false); without it K is written in any case.
+template <class Real>
+KeyStepReport key_step_at(const KeyJacobian<Real>& jac, const RowMatrix<Real>& e,
+                          const RowMatrix<Real>& K0, const std::vector<Index>& free, double lambda,
+                          const typename ConjugateGradient<Real>::Arguments& cg_args, RowMatrix<Real>& K,
+                          bool* finite = nullptr) {
+  KeyStepReport report;
+  const Index R = jac.rows(), d = jac.dim(), u = jac.free_count();
+  Vector<Real> rhs(R * d);  // (R·d)  e + J g
+  Eigen::Map<RowMatrix<Real>> rhs_matrix(rhs.data(), R, d);
+  rhs_matrix = e;
+  bool moved = false;  // g = K_U − K_U⁰ ≠ 0 (NaN counts as moved)
+  if (&K0 != &K)
+    for (Index k = 0; k < u && !moved; ++k) {
+      const Index j = free[static_cast<std::size_t>(k)];
+      moved = (K.row(j).array() != K0.row(j).array()).any();
+    }
+  if (moved) {  // J·0 = 0: the first key step from the anchor skips this JVP
+    RowMatrix<Real> g(u, d);  // (u, d)  K_U − K_U⁰
+    for (Index k = 0; k < u; ++k) {
+      const Index j = free[static_cast<std::size_t>(k)];
+      g.row(k) = K.row(j) - K0.row(j);
+    }
+    RowMatrix<Real> df;  // (R, d)
+    jvp(jac, g, df);
+    rhs_matrix += df;
+  }
+
+  KeyNormalOperator<Real> op(jac, lambda);
+  RowMatrix<Real> accumulated = RowMatrix<Real>::Zero(R, u);  // (R, u) Σ a·M' over CG steps
+  ConjugateGradient<Real> cg(cg_args);
+  Vector<Real> alpha = Vector<Real>::Zero(R * d);
+  cg.solve([&](const Vector<Real>& in, Vector<Real>& out) { op.apply(in.data(), out.data()); }, rhs, alpha,
+           [&](Real a) { accumulated.noalias() += a * op.last_vjp(); });
+  report.iterations = cg.iterations();
+  report.residual = cg.error();
+  report.status = cg.info();
+
+  RowMatrix<Real> rows = accumulated.transpose() * jac.queries;  // (u, d)  Jᵀ α, then K_U⁰ + Jᵀ α
+  for (Index k = 0; k < u; ++k) rows.row(k) += K0.row(free[static_cast<std::size_t>(k)]);
+  const bool ok = rows.allFinite();
+  if (finite) *finite = ok;
+  if (ok || !finite)
+    for (Index k = 0; k < u; ++k) K.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
+  return report;
+}
+}  // namespace detail
+
 /// Key step (one linearised ridge step, SPEC §9) at the current keys K and values V:
 ///
 ///   e = vec(Y − f(K)),  g = vec(K_U − K_U⁰),  (J Jᵀ + λ I) α = e + J g  (CG, matrix-free),
 ///   K_U ← K_U⁰ + unvec(Jᵀ α),   K_F unchanged
 ///
-/// The system has size R·d; on CG breakdown the last finite iterate α is used. O(R·m·d) plus
-/// O(4·R·u·d) per CG iteration.
+/// The system has size R·d; on CG breakdown the last finite iterate α is used. Each CG iteration
+/// applies J Jᵀ fused (detail::KeyNormalOperator: three (R×d×u)-sized products when R <= 2d, four
+/// otherwise); Jᵀ α is accumulated along the iterations. O(R·m·d) to linearise plus O(3·R·u·d) per
+/// CG iteration.
 template <class Real>
 KeyStepReport key_step(const RowMatrix<Real>& Q,   // (R, d)
                        const RowMatrix<Real>& K0,  // (m, d) original kept keys (the ridge anchor)
@@ -348,41 +545,10 @@ KeyStepReport key_step(const RowMatrix<Real>& Q,   // (R, d)
                        const Attention& att, const std::vector<Index>& free, double lambda,
                        const typename ConjugateGradient<Real>::Arguments& cg_args,
                        RowMatrix<Real>& K) {  // (m, d) in: current keys, out: updated
-  KeyStepReport report;
-  const Index R = Q.rows(), d = Q.cols(), u = static_cast<Index>(free.size());
-  if (u == 0) return report;
+  if (free.empty()) return {};
   const KeyJacobian<Real> jac = key_jacobian(Q, K, V, att, free);
-
-  RowMatrix<Real> g(u, d);  // (u, d)  K_U − K_U⁰
-  for (Index k = 0; k < u; ++k) {
-    const Index j = free[static_cast<std::size_t>(k)];
-    g.row(k) = K.row(j) - K0.row(j);
-  }
-  RowMatrix<Real> df;  // (R, d)
-  jvp(jac, g, df);
-  Vector<Real> rhs(R * d);  // (R·d)  e + J g
-  Eigen::Map<RowMatrix<Real>>(rhs.data(), R, d) = Y - jac.outputs + df;
-
-  const Real lam = static_cast<Real>(lambda);
-  RowMatrix<Real> dk_buffer(u, d), df_buffer(R, d);
-  const auto normal_operator = [&](const Vector<Real>& in, Vector<Real>& out) {
-    vjp(jac, Eigen::Map<const RowMatrix<Real>>(in.data(), R, d), dk_buffer);
-    jvp(jac, dk_buffer, df_buffer);
-    out = Eigen::Map<const Vector<Real>>(df_buffer.data(), R * d) + lam * in;
-  };
-  ConjugateGradient<Real> cg(cg_args);
-  Vector<Real> alpha = Vector<Real>::Zero(R * d);
-  cg.solve(normal_operator, rhs, alpha);
-  report.iterations = cg.iterations();
-  report.residual = cg.error();
-  report.status = cg.info();
-
-  vjp(jac, Eigen::Map<const RowMatrix<Real>>(alpha.data(), R, d), dk_buffer);
-  for (Index k = 0; k < u; ++k) {
-    const Index j = free[static_cast<std::size_t>(k)];
-    K.row(j) = K0.row(j) + dk_buffer.row(k);
-  }
-  return report;
+  const RowMatrix<Real> e = Y - jac.outputs;  // (R, d)
+  return detail::key_step_at(jac, e, K0, free, lambda, cg_args, K);
 }
 
 namespace detail {
@@ -403,6 +569,15 @@ inline int severity(SolverStatus s) {
 /// (worst: breakdown > max_iterations > converged), key_step_rejected (the safeguard undid a key step,
 /// or a key step produced non-finite keys and was undone). An empty free set, steps = 0 or both steps
 /// off leave K and V untouched.
+///
+/// Nothing is evaluated twice: the probabilities X at the current keys (and their free columns) serve
+/// the window error, the value step and the key step's linearisation until the keys change; the value
+/// step's dual residual Z = Y − X V⁰ is the window error before (when it runs first), and after it the
+/// outputs need no product: f = X V = Y − λ_v·(X_U X_Uᵀ + λ_v I)⁻¹ Z exactly, which also gives the key
+/// step its residual e = Y − f in double rather than as a float difference of nearly equal outputs.
+/// Default cost (value then key, S = 1): one (R×d×m) product for X, the dual system (double
+/// R×m×d + R²·u/2), one (R×u×d) product for the value update, per CG iteration three (R×d×u)-sized
+/// products, one (R×u×d) for Jᵀα, and one X·V at the new keys (two R×m×d products) for the error after.
 template <class Real>
 void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
              const RowMatrix<Real>& Y,  // (R, d) full-cache targets
@@ -415,32 +590,118 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
   diag.cg_residual = 0.0;
   diag.cg_status = SolverStatus::not_run;
   diag.key_step_rejected = false;
-  diag.window_error_before = window_error(Q, K, V, att, Y);
+  const double y_norm = Y.template cast<double>().norm();
+  const auto relative = [&](double err) { return y_norm > 0.0 ? err / y_norm : err; };
+  const bool capped = att.softcap > 0.0;
+
+  // What is known at the current (K, V); invalidated when K or V changes.
+  RowMatrix<Real> X, chain, XU;  // (R, m) probabilities, (R, m) soft-cap slope (capped only), (R, u) X_U
+  bool have_x = false, have_xu = false;
+  RowMatrix<Real> f;   // (R, d) f(K, V) = X·V
+  Eigen::MatrixXd E;   // (R, d) Y − f, in double
+  bool have_f = false;
+  double err = 0.0;    // ‖Y − f‖ / ‖Y‖
+  bool have_err = false;
+  const auto ensure_x = [&] {
+    if (have_x) return;
+    probabilities(Q, K, att, X, capped ? &chain : nullptr);
+    have_x = true;
+    have_xu = false;
+  };
+  const auto ensure_xu = [&] {
+    ensure_x();
+    if (!have_xu) detail::gather_columns(X, free, XU);
+    have_xu = true;
+  };
+  const auto ensure_f = [&] {
+    if (have_f) return;
+    ensure_x();
+    f.noalias() = X * V;
+    E = Y.template cast<double>() - f.template cast<double>();  // as window_error
+    have_f = true;
+  };
+  const auto error = [&] {
+    if (!have_err) {
+      ensure_f();
+      err = relative(E.norm());
+      have_err = true;
+    }
+    return err;
+  };
+  const auto keys_changed = [&] { have_x = have_xu = have_f = have_err = false; };
+
   const bool active = !free.empty() && args.steps > 0 && (args.value_step || args.key_step);
   if (!active) {
-    diag.window_error_after = diag.window_error_before;
+    diag.window_error_before = diag.window_error_after = error();
     return;
   }
 
-  const RowMatrix<Real> K0 = K, V0 = V;  // (m, d) ridge anchors
-  RowMatrix<Real> X;                     // (R, m)
+  // Ridge anchors K⁰, V⁰ (m, d). With S = 1 each step runs once, before anything changed what it
+  // anchors to (the value step leaves K alone, the key step V), so K and V themselves serve.
+  const bool single = args.steps == 1;
+  RowMatrix<Real> K0_copy, V0_copy;
+  if (!single) {
+    K0_copy = K;
+    V0_copy = V;
+  }
+  const RowMatrix<Real>& K0 = single ? K : K0_copy;
+  const RowMatrix<Real>& V0 = single ? V : V0_copy;
+  bool before_pending = true;            // window_error_before not yet recorded (K = K⁰, V = V⁰)
   const auto run_value_step = [&] {
-    probabilities(Q, K, att, X);
-    value_step_dual(X, V0, Y, free, args.lambda_v, V);
+    ensure_x();
+    Eigen::MatrixXd gram, Z;  // (R, R), (R, d)
+    detail::dual_system(X, V0, Y, free, args.lambda_v, gram, Z);  // Z = Y − X V⁰
+    if (before_pending) {  // V = V⁰ and K = K⁰ here: Z is the window residual
+      diag.window_error_before = relative(Z.norm());
+      before_pending = false;
+    }
+    if (linalg::solve_spd(gram, Z)) {  // Z ← (X_U X_Uᵀ + λ I)⁻¹ (Y − X V⁰)
+      ensure_xu();
+      detail::apply_value_update(XU, Z, V0, free, V);
+      E = args.lambda_v * Z;  // Y − X V = Y − X V⁰ − X_U X_Uᵀ Z = λ Z
+    } else {  // unchanged Z = Y − X V⁰
+      if (&V != &V0) V = V0;
+      E = std::move(Z);
+    }
+    f = (Y.template cast<double>() - E).template cast<Real>();
+    have_f = true;
+    have_err = false;
   };
   const auto run_key_step = [&] {
-    const RowMatrix<Real> K_prev = K;
-    const double err_prev = args.safeguard ? window_error(Q, K, V, att, Y) : 0.0;
-    const KeyStepReport rep = key_step(Q, K0, V, Y, att, free, args.lambda_k,
-                                       {args.cg_tolerance, args.cg_max_iterations}, K);
+    if (before_pending) {
+      diag.window_error_before = error();
+      before_pending = false;
+    }
+    ensure_xu();
+    ensure_f();
+    const double err_prev = args.safeguard ? error() : 0.0;
+    RowMatrix<Real> K_prev;  // (m, d) for the safeguard, or to undo over non-finite entry keys
+    if (args.safeguard || !K.allFinite()) K_prev = K;
+    KeyStepReport rep;
+    bool finite = true;
+    {
+      have_xu = false;  // X_U becomes the Jacobian's weights
+      const KeyJacobian<Real> jac =
+          detail::jacobian_from(Q, std::move(XU), capped ? &chain : nullptr, V, f, att, free);
+      const RowMatrix<Real> e = E.template cast<Real>();  // (R, d) Y − f(K)
+      rep = detail::key_step_at(jac, e, K0, free, args.lambda_k, {args.cg_tolerance, args.cg_max_iterations},
+                                K, &finite);
+    }
     diag.cg_iterations += rep.iterations;
     diag.cg_residual = std::max(diag.cg_residual, rep.residual);
     if (detail::severity(rep.status) > detail::severity(diag.cg_status)) diag.cg_status = rep.status;
-    bool reject = !K.allFinite();
-    if (!reject && args.safeguard) reject = !(window_error(Q, K, V, att, Y) < err_prev);
-    if (reject) {
+    if (!finite || !K.allFinite()) {  // new rows not written, or undone: the caches still describe K
+      if (K_prev.size() > 0) K = K_prev;
+      diag.key_step_rejected = true;
+      return;
+    }
+    keys_changed();
+    if (args.safeguard && !(error() < err_prev)) {
       K = K_prev;
       diag.key_step_rejected = true;
+      keys_changed();
+      err = err_prev;
+      have_err = true;
     }
   };
   for (Index step = 0; step < args.steps; ++step) {
@@ -452,7 +713,7 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
       if (args.value_step) run_value_step();
     }
   }
-  diag.window_error_after = window_error(Q, K, V, att, Y);
+  diag.window_error_after = error();
 }
 
 }  // namespace ridge
@@ -509,20 +770,8 @@ void RidgeMerge::merge(const HeadContext<T>& ctx, const Routing& /*routing: unus
   diag.gate_mean = 0.0;
 
   const RowMatrix<Real> Q = gather_group_queries<Real>(layer, g);  // (R, d), R = G·W
-  const RowMatrix<Real>& A = ctx.probabilities();                  // (R, n)
-  RowMatrix<Real> Y(Q.rows(), d);                                  // (R, d)  Y = A_full · V
-  if constexpr (std::is_same_v<T, Real>) {
-    Y.noalias() = A * kvc::detail::map_rows<Real>(layer.values, g, 0, n);
-  } else {
-    Y.setZero();
-    RowMatrix<Real> tile(std::min<Index>(kvc::detail::kKeyTile, n), d);
-    for (Index j0 = 0; j0 < n; j0 += kvc::detail::kKeyTile) {
-      const Index count = std::min<Index>(kvc::detail::kKeyTile, n - j0);
-      auto rows = tile.topRows(count);
-      kvc::detail::gather_rows<Real>(layer.values, g, j0, count, rows);
-      Y.noalias() += A.middleCols(j0, count) * rows;
-    }
-  }
+  const RowMatrix<Real>& Y = ctx.window_outputs();                // (R, d)  Y = A_full · V
+  KVC_ASSERT(Y.rows() == Q.rows() && Y.cols() == d);
 
   ridge::Attention att;
   att.visible = ridge::visible_counts(kept, n, W, G);

@@ -41,6 +41,12 @@ template <class P>
 struct needs_mass<P, std::void_t<decltype(P::needs_mass)>> : std::bool_constant<P::needs_mass> {};
 
 template <class P, class = void>
+struct needs_window_outputs : std::false_type {};
+template <class P>
+struct needs_window_outputs<P, std::void_t<decltype(P::needs_window_outputs)>>
+    : std::bool_constant<P::needs_window_outputs> {};
+
+template <class P, class = void>
 struct covers_keys : std::false_type {};
 template <class P>
 struct covers_keys<P, std::void_t<decltype(P::covers_keys)>> : std::bool_constant<P::covers_keys> {};
@@ -111,6 +117,7 @@ struct Workspace {
   std::vector<WindowWorkspace<Real>> window;
   std::vector<Vector<Real>> mass, score;
   std::vector<Routing> routing;  // per worker: evicted → kept targets of its current head
+  std::vector<RowMatrix<Real>> outputs;  // per head (G·W, d): window outputs Y, for mergers that read them
 
   /// Bytes currently held.
   std::size_t bytes() const {
@@ -119,6 +126,7 @@ struct Workspace {
     for (const auto* vs : {&mass, &score})
       for (const auto& v : *vs) b += static_cast<std::size_t>(v.size()) * sizeof(Real);
     for (const auto& r : routing) b += r.target.capacity() * sizeof(Index);
+    for (const auto& y : outputs) b += static_cast<std::size_t>(y.size()) * sizeof(Real);
     return b;
   }
 };
@@ -257,6 +265,8 @@ class Pipeline {
   static constexpr bool kFoldKeyScan =
       (kNeedsMass && std::is_same_v<compute_t<T>, float>) || detail::covers_keys<Scorer>::value;
   static constexpr bool kFoldValueScan = detail::covers_values<Scorer>::value;
+  /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
+  static constexpr bool kOutputsFromMass = kNeedsMass && detail::needs_window_outputs<Merger>::value;
 
   /// After stage 1 with check_finite: the folded K / V scans (kFoldKeyScan, kFoldValueScan). A
   /// non-finite window logit or covering score means a non-finite key or value row (named as validate()
@@ -330,9 +340,11 @@ class Pipeline {
     if (kNeedsMass && static_cast<Index>(scratch.size()) < worker_count(H, args_.threads))
       scratch.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
     std::vector<char> finite(static_cast<std::size_t>(H), 1);  // per head: every window logit finite
+    if (kOutputsFromMass) ws.outputs.resize(static_cast<std::size_t>(H));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       if constexpr (kNeedsMass) {
         finite[static_cast<std::size_t>(g)] = window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
+        if constexpr (kOutputsFromMass) window_outputs_after_mass(layer, g, scratch[worker], ws.outputs[g]);
       } else {
         mass[g].setZero(n);
       }
@@ -351,7 +363,8 @@ class Pipeline {
     if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
       ws.routing.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
-      const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
+      const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g],
+                               kOutputsFromMass ? &ws.outputs[static_cast<std::size_t>(g)] : nullptr);
       Routing& routing = ws.routing[static_cast<std::size_t>(worker)];
       router().route(ctx, routing);  // π: (n − m_g) → kept index
 

@@ -275,4 +275,41 @@ bool window_mass(const LayerView<T>& layer, Index g, const AttentionArguments& a
   }
 }
 
+/// Window outputs Y = A·V_g (G·W, d) of KV head g from what window_mass(layer, g, args, mass, ws) left
+/// in `ws` (call it right after, with the same layer, head and workspace): the exponentials of every
+/// key tile are still there, so Y costs one (G·W × n × d) product and no second pass of window
+/// attention. Equals window_probabilities(...)·V up to rounding. Float arithmetic: per tile
+/// exps_tileᵀ·V_tile, rescaled by e^(shift − M)/Z; double: the stored probabilities times V.
+template <class Real, class T>
+void window_outputs_after_mass(const LayerView<T>& layer, Index g, WindowWorkspace<Real>& ws, RowMatrix<Real>& Y) {
+  const Index n = layer.tokens(), d = layer.head_dim(), R = layer.group_size() * layer.window();
+  Y.setZero(R, d);
+  constexpr Index tile = detail::kSoftmaxTile;
+  if constexpr (std::is_same_v<Real, float>) {
+    RowMatrix<float> part;  // (Rp, d)
+    if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(tile, n), d);  // reused for V rows
+    for (Index t = 0, j0 = 0; j0 < n; ++t, j0 += tile) {
+      const Index cnt = std::min(tile, n - j0);
+      const auto e = ws.exps.middleRows(j0, cnt);  // (cnt, Rp)
+      if constexpr (std::is_same_v<T, float>) {
+        part.noalias() = e.transpose() * detail::map_rows<float>(layer.values, g, j0, cnt);
+      } else {
+        auto v = ws.key_tile.topRows(cnt);
+        detail::gather_rows<float>(layer.values, g, j0, cnt, v);
+        part.noalias() = e.transpose() * v;
+      }
+      for (Index r = 0; r < R; ++r)
+        Y.row(r) += (std::exp(ws.shift(t, r) - ws.row_max[r]) / ws.row_sum[r]) * part.row(r);
+    }
+  } else {
+    RowMatrix<Real> v(std::min(tile, n), d);
+    for (Index j0 = 0; j0 < n; j0 += tile) {  // ws.exps holds the probabilities (R, n)
+      const Index cnt = std::min(tile, n - j0);
+      auto vt = v.topRows(cnt);
+      detail::gather_rows<Real>(layer.values, g, j0, cnt, vt);
+      Y.noalias() += ws.exps.middleCols(j0, cnt) * vt;
+    }
+  }
+}
+
 }  // namespace kvc

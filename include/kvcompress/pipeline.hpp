@@ -373,8 +373,8 @@ class Pipeline {
       merged.keys.swap(out.keys);  // reuse the storage of a previous call
       merged.values.swap(out.values);
       const Index m = static_cast<Index>(sel.kept[g].size());
-      merged.keys.resize(m, d);  // (m_g, d) starts as the kept rows
-      merged.values.resize(m, d);
+      detail::resize_advised(merged.keys, m, d);  // (m_g, d) starts as the kept rows
+      detail::resize_advised(merged.values, m, d);
       detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys);
       detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values);
       merger().merge(ctx, routing, merged);

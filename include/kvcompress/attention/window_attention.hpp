@@ -219,7 +219,7 @@ bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArgume
   ws.packed.resize(Rp * d);
   simd::pack_queries<Arch>(ws.queries.data(), d, R, d, static_cast<float>(args.resolved_scale(d)),
                            ws.packed.data());
-  ws.exps.resize(n, Rp);
+  resize_advised(ws.exps, n, Rp);
   ws.shift.resize(tiles, Rp);
   ws.row_max.setConstant(Rp, -std::numeric_limits<float>::infinity());
   ws.row_sum.setZero(Rp);

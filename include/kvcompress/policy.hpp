@@ -107,18 +107,7 @@ void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments
     window_probabilities<Real>(layer, g, args, A);
     KVC_ASSERT(A.rows() == R);
     (void)R;
-    if constexpr (std::is_same_v<T, Real>) {
-      Y.noalias() = A * detail::map_rows<Real>(layer.values, g, 0, n);
-    } else {
-      Y.setZero(R, d);
-      RowMatrix<Real> tile(std::min<Index>(detail::kKeyTile, n), d);
-      for (Index j0 = 0; j0 < n; j0 += detail::kKeyTile) {
-        const Index count = std::min<Index>(detail::kKeyTile, n - j0);
-        auto rows = tile.topRows(count);
-        detail::gather_rows<Real>(layer.values, g, j0, count, rows);
-        Y.noalias() += A.middleCols(j0, count) * rows;
-      }
-    }
+    detail::probabilities_times_values(layer, g, A, Y);
   }
 }
 
@@ -193,19 +182,7 @@ class HeadContext {
   const std::vector<Index>& evicted_;
   // Y = A·V from normalised probabilities A (R, n).
   void outputs_from_probabilities(const RowMatrix<Real>& A, RowMatrix<Real>& Y) const {
-    const Index n = tokens(), d = head_dim();
-    if constexpr (std::is_same_v<T, Real>) {
-      Y.noalias() = A * detail::map_rows<Real>(layer_.values, head_, 0, n);
-    } else {
-      Y.setZero(A.rows(), d);
-      RowMatrix<Real> tile(std::min<Index>(detail::kKeyTile, n), d);
-      for (Index j0 = 0; j0 < n; j0 += detail::kKeyTile) {
-        const Index count = std::min<Index>(detail::kKeyTile, n - j0);
-        auto rows = tile.topRows(count);
-        detail::gather_rows<Real>(layer_.values, head_, j0, count, rows);
-        Y.noalias() += A.middleCols(j0, count) * rows;
-      }
-    }
+    detail::probabilities_times_values(layer_, head_, A, Y);
   }
 
   const RowMatrix<Real>* given_outputs_ = nullptr;

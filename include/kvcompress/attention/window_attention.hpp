@@ -275,6 +275,27 @@ bool window_mass(const LayerView<T>& layer, Index g, const AttentionArguments& a
   }
 }
 
+namespace detail {
+/// Y (R, d) = A (R, n) · V_g (n, d) from probabilities A; values of another element type are
+/// converted one key tile at a time (no full-size copy).
+template <class Real, class T>
+void probabilities_times_values(const LayerView<T>& layer, Index g, const RowMatrix<Real>& A, RowMatrix<Real>& Y) {
+  const Index n = layer.tokens(), d = layer.head_dim();
+  if constexpr (std::is_same_v<T, Real>) {
+    Y.noalias() = A * map_rows<Real>(layer.values, g, 0, n);
+  } else {
+    Y.setZero(A.rows(), d);
+    RowMatrix<Real> tile(std::min<Index>(kKeyTile, n), d);
+    for (Index j0 = 0; j0 < n; j0 += kKeyTile) {
+      const Index count = std::min<Index>(kKeyTile, n - j0);
+      auto rows = tile.topRows(count);
+      gather_rows<Real>(layer.values, g, j0, count, rows);
+      Y.noalias() += A.middleCols(j0, count) * rows;
+    }
+  }
+}
+}  // namespace detail
+
 /// Window outputs Y = A·V_g (G·W, d) of KV head g from what window_mass(layer, g, args, mass, ws) left
 /// in `ws` (call it right after, with the same layer, head and workspace): the exponentials of every
 /// key tile are still there, so Y costs one (G·W × n × d) product and no second pass of window
@@ -302,13 +323,7 @@ void window_outputs_after_mass(const LayerView<T>& layer, Index g, WindowWorkspa
         Y.row(r) += (std::exp(ws.shift(t, r) - ws.row_max[r]) / ws.row_sum[r]) * part.row(r);
     }
   } else {
-    RowMatrix<Real> v(std::min(tile, n), d);
-    for (Index j0 = 0; j0 < n; j0 += tile) {  // ws.exps holds the probabilities (R, n)
-      const Index cnt = std::min(tile, n - j0);
-      auto vt = v.topRows(cnt);
-      detail::gather_rows<Real>(layer.values, g, j0, cnt, vt);
-      Y.noalias() += ws.exps.middleCols(j0, cnt) * vt;
-    }
+    detail::probabilities_times_values(layer, g, ws.exps, Y);  // ws.exps holds the probabilities (R, n)
   }
 }
 

@@ -225,50 +225,55 @@ void check_window_gemm(std::mt19937_64& rng) {
         }
       }
 
-  // softmax_tile_t over two tiles (3 + 4 keys) of Rp = 2L lanes, W = 5 window, soft-cap 3:
-  // lane c sees relative key position rel iff rel <= last[c].
-  const long Rp = 2 * L, W = 5, n = 7;
-  std::vector<float> last(static_cast<std::size_t>(Rp));
-  for (long c = 0; c < Rp; ++c) last[std::size_t(c)] = float(c < Rp - 1 ? c % W : W);
-  const auto x0 = random_row<float>(rng, n * Rp);
-  std::vector<float> x = x0;
-  for (float& v : x) v *= 4.f;
-  const std::vector<float> raw = x;
-  std::vector<float> run_max(std::size_t(Rp), -std::numeric_limits<float>::infinity()), run_sum(std::size_t(Rp), 0.f);
-  std::vector<float> shift(std::size_t(2 * Rp));
-  const long base = n - W;  // rel = j - base
-  CHECK(simd::softmax_tile_t<A>(x.data(), Rp, 3, Rp, 0 - base, true, last.data(), 3.f, run_max.data(), run_sum.data(),
-                                shift.data()));
-  CHECK(simd::softmax_tile_t<A>(x.data() + 3 * Rp, Rp, 4, Rp, 3 - base, true, last.data(), 3.f, run_max.data(),
-                                run_sum.data(), shift.data() + Rp));
-  for (long c = 0; c < Rp; ++c) {
-    INFO("arch " << A::name() << " lane " << c);
-    double mx = -1e300, z = 0;
-    const auto capped = [&](long j) { return 3.0 * std::tanh(double(raw[std::size_t(j * Rp + c)]) / 3.0); };
-    const auto visible = [&](long j) { return double(j - base) <= double(last[std::size_t(c)]); };
-    for (long j = 0; j < n; ++j)
-      if (visible(j)) mx = std::max(mx, capped(j));
-    for (long j = 0; j < n; ++j)
-      if (visible(j)) z += std::exp(capped(j) - mx);
-    CHECK(std::abs(run_max[std::size_t(c)] - mx) <= 1e-6 * (1 + std::abs(mx)));
-    CHECK(std::abs(run_sum[std::size_t(c)] - z) <= 1e-5 * z);
-    for (long j = 0; j < n; ++j) {
-      const double got = double(x[std::size_t(j * Rp + c)]) *
-                         std::exp(double(shift[std::size_t((j < 3 ? 0 : 1) * Rp + c)]) - double(run_max[std::size_t(c)])) /
-                         double(run_sum[std::size_t(c)]);
-      const double want = visible(j) ? std::exp(capped(j) - mx) / z : 0.0;
-      if (!visible(j)) CHECK(x[std::size_t(j * Rp + c)] == 0.f);
-      CHECK(std::abs(got - want) <= 1e-5 * want + 1e-30);
+  // softmax_tile_t over two tiles (3 + 4 keys) of Rp = 2L lanes (single batches) and Rp = 5L lanes
+  // (one group of four batches, then one), W = 5 window, soft-cap 3: lane c sees relative key position
+  // rel iff rel <= last[c].
+  for (const long Rp : {2 * L, 5 * L}) {
+    const long W = 5, n = 7;
+    std::vector<float> last(static_cast<std::size_t>(Rp));
+    for (long c = 0; c < Rp; ++c) last[std::size_t(c)] = float(c < Rp - 1 ? c % W : W);
+    const auto x0 = random_row<float>(rng, n * Rp);
+    std::vector<float> x = x0;
+    for (float& v : x) v *= 4.f;
+    const std::vector<float> raw = x;
+    std::vector<float> run_max(std::size_t(Rp), -std::numeric_limits<float>::infinity()), run_sum(std::size_t(Rp), 0.f);
+    std::vector<float> shift(std::size_t(2 * Rp));
+    const long base = n - W;  // rel = j - base
+    CHECK(simd::softmax_tile_t<A>(x.data(), Rp, 3, Rp, 0 - base, true, last.data(), 3.f, run_max.data(),
+                                  run_sum.data(), shift.data()));
+    CHECK(simd::softmax_tile_t<A>(x.data() + 3 * Rp, Rp, 4, Rp, 3 - base, true, last.data(), 3.f, run_max.data(),
+                                  run_sum.data(), shift.data() + Rp));
+    for (long c = 0; c < Rp; ++c) {
+      INFO("arch " << A::name() << " Rp " << Rp << " lane " << c);
+      double mx = -1e300, z = 0;
+      const auto capped = [&](long j) { return 3.0 * std::tanh(double(raw[std::size_t(j * Rp + c)]) / 3.0); };
+      const auto visible = [&](long j) { return double(j - base) <= double(last[std::size_t(c)]); };
+      for (long j = 0; j < n; ++j)
+        if (visible(j)) mx = std::max(mx, capped(j));
+      for (long j = 0; j < n; ++j)
+        if (visible(j)) z += std::exp(capped(j) - mx);
+      CHECK(std::abs(run_max[std::size_t(c)] - mx) <= 1e-6 * (1 + std::abs(mx)));
+      CHECK(std::abs(run_sum[std::size_t(c)] - z) <= 1e-5 * z);
+      for (long j = 0; j < n; ++j) {
+        const double got = double(x[std::size_t(j * Rp + c)]) *
+                           std::exp(double(shift[std::size_t((j < 3 ? 0 : 1) * Rp + c)]) - double(run_max[std::size_t(c)])) /
+                           double(run_sum[std::size_t(c)]);
+        const double want = visible(j) ? std::exp(capped(j) - mx) / z : 0.0;
+        if (!visible(j)) CHECK(x[std::size_t(j * Rp + c)] == 0.f);
+        CHECK(std::abs(got - want) <= 1e-5 * want + 1e-30);
+      }
     }
-  }
-  // Non-finite raw logits are reported (NaN and Inf; the soft-cap would hide the Inf).
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-    std::vector<float> y = raw;
-    y[std::size_t(2 * Rp + 1)] = bad;
-    std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-    std::fill(run_sum.begin(), run_sum.end(), 0.f);
-    CHECK_FALSE(simd::softmax_tile_t<A>(y.data(), Rp, 3, Rp, -10, false, last.data(), 3.f, run_max.data(),
-                                        run_sum.data(), shift.data()));
+    // Non-finite raw logits are reported (NaN and Inf; the soft-cap would hide the Inf), in every lane group.
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()})
+      for (long lane : {1L, Rp - 1}) {
+        INFO("arch " << A::name() << " Rp " << Rp << " bad lane " << lane);
+        std::vector<float> y = raw;
+        y[std::size_t(2 * Rp + lane)] = bad;
+        std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(run_sum.begin(), run_sum.end(), 0.f);
+        CHECK_FALSE(simd::softmax_tile_t<A>(y.data(), Rp, 3, Rp, -10, false, last.data(), 3.f, run_max.data(),
+                                            run_sum.data(), shift.data()));
+      }
   }
 }
 

@@ -109,6 +109,62 @@ inline void window_logits_t(const float* k, Index ldk, Index count, Index d, con
   }
 }
 
+namespace detail {
+
+/// softmax_tile_t on the CG·L lanes starting at c (CG batches side by side, so each row of the tile is
+/// read CG·L floats at a time: whole cache lines, instead of one batch per row per pass). Lane by lane
+/// the arithmetic is that of CG = 1. Accumulates x − x of every raw logit into `nonfinite`.
+template <class A, int CG>
+inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel0, bool masked, const float* last,
+                            float softcap_c, float* run_max, float* run_sum, float* shift, fbatch<A>& nonfinite) {
+  using B = fbatch<A>;
+  constexpr Index L = B::size;
+  const B ninf(-std::numeric_limits<float>::infinity());
+  B lastc[CG], mx[CG];
+  for (int u = 0; u < CG; ++u) {
+    lastc[u] = B::load_unaligned(last + c + u * L);
+    mx[u] = ninf;
+  }
+  for (Index j = 0; j < count; ++j) {
+    float* p = x + j * ldx + c;
+    const B row_pos(static_cast<float>(rel0 + j));
+    for (int u = 0; u < CG; ++u) {
+      B v = B::load_unaligned(p + u * L);
+      nonfinite += v - v;
+      if (softcap_c > 0.0f) {
+        v = B(softcap_c) * xsimd::tanh(v * B(1.0f / softcap_c));
+        v.store_unaligned(p + u * L);
+      }
+      if (masked) v = xsimd::select(row_pos <= lastc[u], v, ninf);
+      mx[u] = xsimd::max(mx[u], v);
+    }
+  }
+  B finite_new[CG], sum[CG];
+  for (int u = 0; u < CG; ++u) {
+    const B m_old = B::load_unaligned(run_max + c + u * L);
+    const B m_new = xsimd::max(m_old, mx[u]);
+    // Lanes that have seen nothing yet (m_old = −inf) have run_sum 0; keep them 0 (0·e^(−inf) = NaN).
+    const B rescale = xsimd::select(m_old == ninf, B(0.0f), simd::exp<A>(m_old - m_new));
+    finite_new[u] = xsimd::select(m_new == ninf, B(0.0f), m_new);
+    sum[u] = B::load_unaligned(run_sum + c + u * L) * rescale;
+    m_new.store_unaligned(run_max + c + u * L);
+    m_new.store_unaligned(shift + c + u * L);
+  }
+  for (Index j = 0; j < count; ++j) {
+    float* p = x + j * ldx + c;
+    const B row_pos(static_cast<float>(rel0 + j));
+    for (int u = 0; u < CG; ++u) {
+      B e = simd::exp<A>(B::load_unaligned(p + u * L) - finite_new[u]);
+      if (masked) e = xsimd::select(row_pos <= lastc[u], e, B(0.0f));
+      e.store_unaligned(p + u * L);
+      sum[u] += e;
+    }
+  }
+  for (int u = 0; u < CG; ++u) sum[u].store_unaligned(run_sum + c + u * L);
+}
+
+}  // namespace detail
+
 /// Causal online-softmax epilogue of one tile in the transposed layout: `x` holds `count` key rows
 /// (row stride ldx) of Rp lanes; row j is key number rel0 + j counted from the first window position
 /// (rel0 = j0 − (n − W), negative before the window). Lane c sees it iff rel0 + j ≤ last[c], where
@@ -118,6 +174,8 @@ inline void window_logits_t(const float* k, Index ldk, Index count, Index d, con
 /// and `run_sum` (Rp each) are updated online (the old sum rescaled by e^(M_old − M_new)) and `shift`
 /// (Rp) receives the M_c used, so a later pass can rescale the tile by e^(shift − M_final) / Z.
 /// `masked` = false promises every lane sees every key of the tile (skips the comparisons).
+/// Lanes go four batches at a time (detail::softmax_lanes_t), then one at a time; each lane's sum runs
+/// over the rows in order, so results do not depend on the grouping.
 /// Returns false when a raw logit of the tile (before the soft-cap, padding lanes included) is NaN
 /// or ±Inf: the caller's keys or queries were not finite, or the product overflowed.
 template <class A>
@@ -125,54 +183,13 @@ inline bool softmax_tile_t(float* x, Index ldx, Index count, Index Rp, Index rel
                            float softcap_c, float* run_max, float* run_sum, float* shift) {
   using B = fbatch<A>;
   constexpr Index L = B::size;
-  const B ninf(-std::numeric_limits<float>::infinity());
+  constexpr int CG = 4;
   B nonfinite(0.0f);  // accumulates x − x: 0 for finite x, NaN for NaN and ±Inf
-  for (Index c = 0; c < Rp; c += L) {
-    const B lastc = B::load_unaligned(last + c);
-    B mx = ninf;
-    for (Index j = 0; j < count; ++j) {
-      float* p = x + j * ldx + c;
-      B v = B::load_unaligned(p);
-      nonfinite += v - v;
-      if (softcap_c > 0.0f) {
-        v = B(softcap_c) * xsimd::tanh(v * B(1.0f / softcap_c));
-        v.store_unaligned(p);
-      }
-      if (masked) v = xsimd::select(B(static_cast<float>(rel0 + j)) <= lastc, v, ninf);
-      mx = xsimd::max(mx, v);
-    }
-    const B m_old = B::load_unaligned(run_max + c);
-    const B m_new = xsimd::max(m_old, mx);
-    // Lanes that have seen nothing yet (m_old = −inf) have run_sum 0; keep them 0 (0·e^(−inf) = NaN).
-    const B rescale = xsimd::select(m_old == ninf, B(0.0f), simd::exp<A>(m_old - m_new));
-    const B finite_new = xsimd::select(m_new == ninf, B(0.0f), m_new);
-    B s0 = B::load_unaligned(run_sum + c) * rescale, s1(0.0f);
-    Index j = 0;
-    for (; j + 2 <= count; j += 2) {
-      float* p0 = x + j * ldx + c;
-      float* p1 = p0 + ldx;
-      B e0 = simd::exp<A>(B::load_unaligned(p0) - finite_new);
-      B e1 = simd::exp<A>(B::load_unaligned(p1) - finite_new);
-      if (masked) {
-        e0 = xsimd::select(B(static_cast<float>(rel0 + j)) <= lastc, e0, B(0.0f));
-        e1 = xsimd::select(B(static_cast<float>(rel0 + j + 1)) <= lastc, e1, B(0.0f));
-      }
-      e0.store_unaligned(p0);
-      e1.store_unaligned(p1);
-      s0 += e0;
-      s1 += e1;
-    }
-    if (j < count) {
-      float* p0 = x + j * ldx + c;
-      B e0 = simd::exp<A>(B::load_unaligned(p0) - finite_new);
-      if (masked) e0 = xsimd::select(B(static_cast<float>(rel0 + j)) <= lastc, e0, B(0.0f));
-      e0.store_unaligned(p0);
-      s0 += e0;
-    }
-    (s0 + s1).store_unaligned(run_sum + c);
-    m_new.store_unaligned(run_max + c);
-    m_new.store_unaligned(shift + c);
-  }
+  Index c = 0;
+  for (; c + CG * L <= Rp; c += CG * L)
+    detail::softmax_lanes_t<A, CG>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite);
+  for (; c < Rp; c += L)
+    detail::softmax_lanes_t<A, 1>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite);
   return xsimd::all(nonfinite == B(0.0f));
 }
 

@@ -287,15 +287,26 @@ class Pipeline {
     }
   }
 
+  /// validate_impl with the folded scans left out, throwing what validate() would: when an up-front
+  /// scan (V or the queries) finds a non-finite element while K's scan was left to stage 1, K is
+  /// scanned now, since validate() names a non-finite key first (error path only).
+  template <class T, class B>
+  void throw_if_invalid(const LayerView<T>& layer, const B& budget) const {
+    const Status s = validate_impl(layer, budget, !kFoldKeyScan<T>, !kFoldValueScan);
+    if (!s && s.code() == Status::Code::non_finite && kFoldKeyScan<T> && args_.check_finite)
+      detail::check_finite(layer.keys, "keys").throw_if_error();
+    s.throw_if_error();
+  }
+
   /// validate() or throw; the per-head budgets clamped to n.
   template <class T>
   std::vector<Index> checked_budgets(const LayerView<T>& layer, const Budget& budget) const {
-    validate_impl(layer, budget, !kFoldKeyScan<T>, !kFoldValueScan).throw_if_error();
+    throw_if_invalid(layer, budget);
     return std::vector<Index>(layer.kv_heads(), std::min(budget.resolve(layer.tokens()), layer.tokens()));
   }
   template <class T>
   std::vector<Index> checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
-    validate_impl(layer, budgets, !kFoldKeyScan<T>, !kFoldValueScan).throw_if_error();
+    throw_if_invalid(layer, budgets);
     std::vector<Index> clamped(budgets);
     for (auto& b : clamped) b = std::min(b, layer.tokens());
     return clamped;

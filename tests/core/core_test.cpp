@@ -141,9 +141,24 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     b.keys.data = k_before;
     b.queries.data = q_before;
     // Scorers that read every row fold the scan of what they read: ValueWeighted (V), KeyNorm (K).
+    // Presets whose scorer does not read V scan it up front, with the same message.
     b.values.view.row(1, 3)[1] = -std::numeric_limits<float>::infinity();
     CHECK_THAT(error_of([&] { SelKVEvict{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, std::vector<Index>{3, 4}); }), Catch::Contains("values[1][3][1]"));
+    CHECK_THAT(error_of([&] { StreamingLLM{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
+    CHECK(SnapKV{}.validate(layer, Budget::ratio(0.5)).code() == Status::Code::non_finite);
+    b.keys.view.row(1, 2)[0] = std::numeric_limits<float>::quiet_NaN();  // K and V: named in validate()'s order
+    CHECK_THAT(SnapKV{}.validate(layer, Budget::ratio(0.5)).message(), Catch::Contains("keys[1][2][0]"));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, std::vector<Index>{3, 4}); }), Catch::Contains("keys[1][2][0]"));
+    CHECK_THAT(error_of([&] { SelKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
+    b.values.data = v_before;
+    b.queries.view.row(2, f.W - 1)[0] = std::numeric_limits<float>::quiet_NaN();  // K and the queries
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
+    b.keys.data = k_before;
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("queries[2]"));
+    b.queries.data = q_before;
     b.values.view.row(1, 3)[1] = 3e19f;  // finite, but its squared norm overflows
     CHECK(SelKV{}.validate(layer, Budget::ratio(0.5)));
     CHECK_THAT(error_of([&] { SelKV{}.run(layer, Budget::ratio(0.5)); }),
@@ -161,6 +176,12 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     CHECK_THAT(error_of([&] { SnapKV{}.run(bh.view(), Budget::ratio(0.5)); }), Catch::Contains("keys[1][9][0]"));
     kvc::test::LayerBuffers<double> bd(K, f.V, f.Q, Layout::head_major);
     CHECK_THAT(error_of([&] { SnapKV{}.run(bd.view(), Budget::ratio(0.5)); }), Catch::Contains("keys[1][9][0]"));
+    ref::Tensor3 V = f.V;
+    V.at(0, 4, 2) = std::numeric_limits<double>::infinity();
+    kvc::test::LayerBuffers<Eigen::half> bhv(f.K, V, f.Q, Layout::head_major);
+    CHECK_THAT(error_of([&] { SnapKV{}.run(bhv.view(), Budget::ratio(0.5)); }), Catch::Contains("values[0][4][2]"));
+    kvc::test::LayerBuffers<double> bdv(f.K, V, f.Q, Layout::token_major);
+    CHECK_THAT(error_of([&] { SnapKV{}.run(bdv.view(), Budget::ratio(0.5)); }), Catch::Contains("values[0][4][2]"));
   }
   SECTION("bad options") {
     SelKV::Arguments args;

@@ -224,7 +224,7 @@ class Pipeline {
  private:
   /// validate(); scan_keys / scan_values = false leave the NaN/Inf scan of K / V to the stage that
   /// reads them anyway (run() checks the window logits or the scores, which are non-finite whenever
-  /// a key or value row is: see kFoldKeyScan, kFoldValueScan).
+  /// a key or value row is: see kFoldKeyScan, kScanValuesPerHead).
   template <class T>
   Status validate_impl(const LayerView<T>& layer, const Budget& budget, bool scan_keys, bool scan_values) const {
     KVC_RETURN_IF_ERROR(budget.validate());
@@ -260,41 +260,45 @@ class Pipeline {
                                      detail::needs_mass<Merger>::value || detail::needs_mass<Compensator>::value;
 
   /// Window attention's logits (float arithmetic) or a key-covering scorer's scores stand in for the
-  /// NaN/Inf scan of the keys; a value-covering scorer's scores for the scan of the values.
+  /// NaN/Inf scan of the keys; a value-covering scorer's scores for the scan of the values. Otherwise
+  /// V is scanned head by head inside stage 1 (so the scan runs on the worker threads too), K up front.
   template <class T>
   static constexpr bool kFoldKeyScan =
       (kNeedsMass && std::is_same_v<compute_t<T>, float>) || detail::covers_keys<Scorer>::value;
-  static constexpr bool kFoldValueScan = detail::covers_values<Scorer>::value;
+  static constexpr bool kScanValuesPerHead = !detail::covers_values<Scorer>::value;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
   static constexpr bool kOutputsFromMass = kNeedsMass && detail::needs_window_outputs<Merger>::value;
 
-  /// After stage 1 with check_finite: the folded K / V scans (kFoldKeyScan, kFoldValueScan). A
+  /// After stage 1 with check_finite: the folded K / V scans (kFoldKeyScan, kScanValuesPerHead). A
   /// non-finite window logit or covering score means a non-finite key or value row (named as validate()
   /// names it) or, when the rows are finite, an overflow. Nothing has been written to the result yet.
   template <class T, class Real>
   void check_folded_scans(const LayerView<T>& layer, const std::vector<char>& finite,
-                          const std::vector<Vector<Real>>& score) const {
+                          const std::vector<char>& values_finite, const std::vector<Vector<Real>>& score) const {
     constexpr bool covers = detail::covers_keys<Scorer>::value || detail::covers_values<Scorer>::value;
     for (Index g = 0; g < layer.kv_heads(); ++g) {
       const bool logits_ok = finite[static_cast<std::size_t>(g)] != 0;
       const bool score_ok = !covers || score[static_cast<std::size_t>(g)].allFinite();
-      if (logits_ok && score_ok) continue;
+      if (logits_ok && score_ok && values_finite[static_cast<std::size_t>(g)] != 0) continue;
       if (kFoldKeyScan<T>) detail::check_finite(layer.keys, "keys").throw_if_error();
-      if (kFoldValueScan) detail::check_finite(layer.values, "values").throw_if_error();
+      detail::check_finite(layer.values, "values").throw_if_error();
       throw error(detail::concat(logits_ok ? "a score" : "a window-attention logit", " of KV head ", g,
                                  " is not finite although keys, values and queries are: ",
                                  logits_ok ? "a row norm overflows" : "|scale·<q, k>| overflows", " the arithmetic type"));
     }
   }
 
-  /// validate_impl with the folded scans left out, throwing what validate() would: when an up-front
-  /// scan (V or the queries) finds a non-finite element while K's scan was left to stage 1, K is
-  /// scanned now, since validate() names a non-finite key first (error path only).
+  /// validate_impl with the folded scans left out, throwing what validate() would: when the up-front
+  /// scan of the window queries finds a non-finite element, K (if its scan was left to stage 1) and V
+  /// are scanned first, since validate() names a non-finite key, then value, before a query (error
+  /// path only).
   template <class T, class B>
   void throw_if_invalid(const LayerView<T>& layer, const B& budget) const {
-    const Status s = validate_impl(layer, budget, !kFoldKeyScan<T>, !kFoldValueScan);
-    if (!s && s.code() == Status::Code::non_finite && kFoldKeyScan<T> && args_.check_finite)
-      detail::check_finite(layer.keys, "keys").throw_if_error();
+    const Status s = validate_impl(layer, budget, !kFoldKeyScan<T>, /*scan_values=*/false);
+    if (!s && s.code() == Status::Code::non_finite && args_.check_finite) {
+      if (kFoldKeyScan<T>) detail::check_finite(layer.keys, "keys").throw_if_error();
+      detail::check_finite(layer.values, "values").throw_if_error();
+    }
     s.throw_if_error();
   }
 
@@ -350,9 +354,15 @@ class Pipeline {
     std::vector<WindowWorkspace<Real>>& scratch = ws.window;
     if (kNeedsMass && static_cast<Index>(scratch.size()) < worker_count(H, args_.threads))
       scratch.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
-    std::vector<char> finite(static_cast<std::size_t>(H), 1);  // per head: every window logit finite
+    std::vector<char> finite(static_cast<std::size_t>(H), 1);         // per head: every window logit finite
+    std::vector<char> values_finite(static_cast<std::size_t>(H), 1);  // per head: every value row finite
     if (kOutputsFromMass) ws.outputs.resize(static_cast<std::size_t>(H));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
+      if (kScanValuesPerHead && args_.check_finite) {
+        bool ok = true;
+        for (Index j = 0; j < n; ++j) ok &= detail::row_finite(layer.values.row(g, j), d);
+        values_finite[static_cast<std::size_t>(g)] = ok;
+      }
       if constexpr (kNeedsMass) {
         finite[static_cast<std::size_t>(g)] = window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
         if constexpr (kOutputsFromMass) window_outputs_after_mass(layer, g, scratch[worker], ws.outputs[g]);
@@ -362,7 +372,7 @@ class Pipeline {
       scorer().score(layer, g, mass[g], score[g]);
     });
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(scratch);  // one-shot run(): free it now
-    if (args_.check_finite) check_folded_scans(layer, finite, score);
+    if (args_.check_finite) check_folded_scans(layer, finite, values_finite, score);
 
     // 2. Selection. kept[g]: (m_g) ascending
     Selection<Real> sel;

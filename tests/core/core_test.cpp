@@ -141,12 +141,21 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     b.keys.data = k_before;
     b.queries.data = q_before;
     // Scorers that read every row fold the scan of what they read: ValueWeighted (V), KeyNorm (K).
-    // Presets whose scorer does not read V scan it up front, with the same message.
+    // Presets whose scorer does not read V scan it head by head in stage 1, with validate()'s message.
     b.values.view.row(1, 3)[1] = -std::numeric_limits<float>::infinity();
     CHECK_THAT(error_of([&] { SelKVEvict{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, std::vector<Index>{3, 4}); }), Catch::Contains("values[1][3][1]"));
     CHECK_THAT(error_of([&] { StreamingLLM{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
+    SnapKV::Arguments two_threads;
+    two_threads.threads = 2;
+    CHECK_THAT(error_of([&] { SnapKV(two_threads).run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][3][1]"));
+    b.values.view.row(1, 3)[1] = 0.f;
+    b.values.view.row(1, f.n - 1)[0] = std::numeric_limits<float>::quiet_NaN();  // the last row
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }),
+               Catch::Contains(kvc::detail::concat("values[1][", f.n - 1, "][0]")));
+    b.values.data = v_before;
+    b.values.view.row(1, 3)[1] = -std::numeric_limits<float>::infinity();
     CHECK(SnapKV{}.validate(layer, Budget::ratio(0.5)).code() == Status::Code::non_finite);
     b.keys.view.row(1, 2)[0] = std::numeric_limits<float>::quiet_NaN();  // K and V: named in validate()'s order
     CHECK_THAT(SnapKV{}.validate(layer, Budget::ratio(0.5)).message(), Catch::Contains("keys[1][2][0]"));
@@ -158,6 +167,11 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
     b.keys.data = k_before;
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("queries[2]"));
+    b.values.view.row(1, 6)[5] = std::numeric_limits<float>::quiet_NaN();  // V and the queries
+    CHECK_THAT(SnapKV{}.validate(layer, Budget::ratio(0.5)).message(), Catch::Contains("values[1][6][5]"));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][6][5]"));
+    CHECK_THAT(error_of([&] { SelKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("values[1][6][5]"));
+    b.values.data = v_before;
     b.queries.data = q_before;
     b.values.view.row(1, 3)[1] = 3e19f;  // finite, but its squared norm overflows
     CHECK(SelKV{}.validate(layer, Budget::ratio(0.5)));

@@ -63,8 +63,48 @@ void BM_Decode(benchmark::State& state) {
   state.counters["frac_stream"] = bytes / best / stream_bytes_per_second(std::size_t(bytes));
 }
 
+/// Overlap probe for the decode target: the streaming sum of BM_StreamSum over the bytes of the 25 %
+/// cache (as BM_Decode<float> reads them), plus the decode's arithmetic density done in registers —
+/// 16 FMA instructions (8 independent chains, 2 rounds) per 4 batches loaded, i.e. one FMA lane per
+/// byte, as decode's 2·G·d FMA lanes per 2·d·4 bytes of a key and value row with G = 4 — with no extra
+/// loads. frac_stream = its bytes/s over the plain streaming sum's: how much of the stream this core
+/// sustains while doing that much arithmetic, an upper bound for BM_Decode's frac_stream.
+void BM_StreamFma(benchmark::State& state) {
+  using A = simd::default_arch;
+  using B = simd::fbatch<A>;
+  constexpr std::size_t S = B::size;
+  const Index n = state.range(0), m = n / 4;
+  const std::size_t bytes = std::size_t(2 * 8 * m * 128) * sizeof(float);
+  const std::vector<float> buf(bytes / sizeof(float), 1.0f);
+  double best = 1e30;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    B s0(0.f), s1(0.f), s2(0.f), s3(0.f), a[8];
+    for (int c = 0; c < 8; ++c) a[c] = B(1.0f + 0.001f * float(c));
+    const B decay(0.999f);
+    for (std::size_t i = 0; i + 4 * S <= buf.size(); i += 4 * S) {
+      const B v0 = B::load_unaligned(&buf[i]);
+      s0 += v0;
+      s1 += B::load_unaligned(&buf[i + S]);
+      s2 += B::load_unaligned(&buf[i + 2 * S]);
+      s3 += B::load_unaligned(&buf[i + 3 * S]);
+      for (int round = 0; round < 2; ++round)
+        for (int c = 0; c < 8; ++c) a[c] = xsimd::fma(a[c], decay, v0);
+    }
+    B total = s0 + s1 + s2 + s3;
+    for (int c = 0; c < 8; ++c) total += a[c];
+    benchmark::DoNotOptimize(simd::reduce_add<A>(total));
+    const double t = thread_seconds() - t0;
+    best = std::min(best, t);
+    state.SetIterationTime(t);
+  }
+  state.counters["bytes/s"] = double(bytes) / best;
+  state.counters["frac_stream"] = double(bytes) / best / stream_bytes_per_second(bytes);
+}
+
 }  // namespace
 
+BENCHMARK(BM_StreamFma)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Decode, float)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Decode, Eigen::half)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Decode, Eigen::bfloat16)->Apply(kvc::bench::layer_sizes);

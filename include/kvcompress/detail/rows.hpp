@@ -22,30 +22,38 @@
 
 namespace kvc::detail {
 
-/// Hint that a fresh, untouched allocation [p, p + bytes) be backed by transparent huge pages (Linux
-/// with THP in "madvise" or "always" mode; a no-op elsewhere): its first touch then faults 2 MiB at a
-/// time instead of 4 KiB, which is most of the cost of filling tens of MB of new memory. Only the
-/// whole 2 MiB pages inside the range are advised; the contents are not affected.
-inline void advise_huge_pages(void* p, std::size_t bytes) {
+/// Prepares a fresh, untouched allocation [p, p + bytes) that the caller is about to fill entirely
+/// (Linux; a no-op elsewhere): the whole 2 MiB pages inside it are advised MADV_HUGEPAGE (transparent
+/// huge pages in "madvise" or "always" mode), then its whole 4 KiB pages are prefaulted with
+/// MADV_POPULATE_WRITE (Linux >= 5.14): one system call instead of one page fault per 4 KiB page,
+/// which is most of the cost of filling tens of MB of new memory. The pages read as zero either way;
+/// errors (older kernels, no THP) are ignored: both are only about speed.
+inline void prepare_fresh_pages(void* p, std::size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p), last = first + bytes;
   constexpr std::uintptr_t huge = std::uintptr_t(1) << 21;
-  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p);
-  const std::uintptr_t begin = (first + huge - 1) & ~(huge - 1), end = (first + bytes) & ~(huge - 1);
+  const std::uintptr_t begin = (first + huge - 1) & ~(huge - 1), end = last & ~(huge - 1);
   if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#if defined(MADV_POPULATE_WRITE)
+  constexpr std::uintptr_t page = 4096;
+  const std::uintptr_t b = (first + page - 1) & ~(page - 1), e = last & ~(page - 1);
+  if (e > b) (void)::madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE);
+#endif
 #else
   (void)p;
   (void)bytes;
 #endif
 }
 
-/// m.resize(rows, cols); when that allocated new storage of at least 4 MiB, advise_huge_pages on it
-/// (Eigen does not touch storage on resize, so the advice precedes the first write).
+/// m.resize(rows, cols); when that allocated new storage of at least 4 MiB, prepare_fresh_pages on it
+/// (Eigen does not touch storage on resize, so this precedes the first write). For buffers the caller
+/// fills entirely right after.
 template <class Matrix>
 void resize_advised(Matrix& m, Index rows, Index cols) {
   const void* before = m.data();
   m.resize(rows, cols);
   const std::size_t bytes = static_cast<std::size_t>(m.size()) * sizeof(typename Matrix::Scalar);
-  if (m.data() != before && bytes >= (std::size_t(4) << 20)) advise_huge_pages(m.data(), bytes);
+  if (m.data() != before && bytes >= (std::size_t(4) << 20)) prepare_fresh_pages(m.data(), bytes);
 }
 
 /// Row-major map of `count` rows of head `h` starting at token `first`, usable when T == Real.

@@ -288,15 +288,14 @@ class Pipeline {
     }
   }
 
-  /// validate_impl with the folded scans left out, throwing what validate() would: when the up-front
-  /// scan of the window queries finds a non-finite element, K (if its scan was left to stage 1) and V
-  /// are scanned first, since validate() names a non-finite key, then value, before a query (error
-  /// path only).
+  /// validate_impl with the folded scans left out, throwing what validate() would: on a non-finite
+  /// element (a key scanned up front, or a window query), K and then V are scanned first, since
+  /// validate() names a non-finite key, then value, before a query (error path only).
   template <class T, class B>
   void throw_if_invalid(const LayerView<T>& layer, const B& budget) const {
     const Status s = validate_impl(layer, budget, !kFoldKeyScan<T>, /*scan_values=*/false);
     if (!s && s.code() == Status::Code::non_finite && args_.check_finite) {
-      if (kFoldKeyScan<T>) detail::check_finite(layer.keys, "keys").throw_if_error();
+      detail::check_finite(layer.keys, "keys").throw_if_error();
       detail::check_finite(layer.values, "values").throw_if_error();
     }
     s.throw_if_error();

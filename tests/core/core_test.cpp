@@ -162,6 +162,8 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, std::vector<Index>{3, 4}); }), Catch::Contains("keys[1][2][0]"));
     CHECK_THAT(error_of([&] { SelKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
+    CHECK_THAT(error_of([&] { StreamingLLM{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
+    CHECK_THAT(error_of([&] { KNorm{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
     b.values.data = v_before;
     b.queries.view.row(2, f.W - 1)[0] = std::numeric_limits<float>::quiet_NaN();  // K and the queries
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));

@@ -288,17 +288,15 @@ class Pipeline {
     }
   }
 
-  /// validate_impl with the folded scans left out, throwing what validate() would: on a non-finite
-  /// element (a key scanned up front, or a window query), K and then V are scanned first, since
-  /// validate() names a non-finite key, then value, before a query (error path only).
+  /// validate_impl with the folded scans left out; when that fails, the full validate() runs and its
+  /// error is thrown (error path only), so the message is exactly validate()'s whatever else is wrong
+  /// too (a non-finite value and a budget that resolves to 0, a non-finite key and query, ...).
   template <class T, class B>
   void throw_if_invalid(const LayerView<T>& layer, const B& budget) const {
     const Status s = validate_impl(layer, budget, !kFoldKeyScan<T>, /*scan_values=*/false);
-    if (!s && s.code() == Status::Code::non_finite && args_.check_finite) {
-      detail::check_finite(layer.keys, "keys").throw_if_error();
-      detail::check_finite(layer.values, "values").throw_if_error();
-    }
-    s.throw_if_error();
+    if (s) return;
+    validate_impl(layer, budget, /*scan_keys=*/true, /*scan_values=*/true).throw_if_error();
+    s.throw_if_error();  // not reached: the full check fails whenever the partial one does
   }
 
   /// validate() or throw; the per-head budgets clamped to n.

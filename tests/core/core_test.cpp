@@ -164,6 +164,10 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
     CHECK_THAT(error_of([&] { SelKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
     CHECK_THAT(error_of([&] { StreamingLLM{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
     CHECK_THAT(error_of([&] { KNorm{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));
+    b.keys.data = k_before;  // V and a budget that resolves to 0: validate() names the value first
+    CHECK_THAT(SnapKV{}.validate(layer, Budget::ratio(1e-9)).message(), Catch::Contains("values[1][3][1]"));
+    CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(1e-9)); }), Catch::Contains("values[1][3][1]"));
+    b.keys.view.row(1, 2)[0] = std::numeric_limits<float>::quiet_NaN();
     b.values.data = v_before;
     b.queries.view.row(2, f.W - 1)[0] = std::numeric_limits<float>::quiet_NaN();  // K and the queries
     CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::ratio(0.5)); }), Catch::Contains("keys[1][2][0]"));

@@ -13,6 +13,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -24,10 +25,10 @@ namespace kvc::detail {
 
 /// Prepares a fresh, untouched allocation [p, p + bytes) that the caller is about to fill entirely
 /// (Linux; a no-op elsewhere): the whole 2 MiB pages inside it are advised MADV_HUGEPAGE (transparent
-/// huge pages in "madvise" or "always" mode), then its whole 4 KiB pages are prefaulted with
-/// MADV_POPULATE_WRITE (Linux >= 5.14): one system call instead of one page fault per 4 KiB page,
-/// which is most of the cost of filling tens of MB of new memory. The pages read as zero either way;
-/// errors (older kernels, no THP) are ignored: both are only about speed.
+/// huge pages in "madvise" or "always" mode), then the whole pages inside it are prefaulted with
+/// MADV_POPULATE_WRITE (Linux >= 5.14): one system call instead of one page fault per page, which is
+/// most of the cost of filling tens of MB of new memory. Neither changes the contents; errors (older
+/// kernels, no THP) are ignored: both are only about speed.
 inline void prepare_fresh_pages(void* p, std::size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p), last = first + bytes;
@@ -35,7 +36,8 @@ inline void prepare_fresh_pages(void* p, std::size_t bytes) {
   const std::uintptr_t begin = (first + huge - 1) & ~(huge - 1), end = last & ~(huge - 1);
   if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #if defined(MADV_POPULATE_WRITE)
-  constexpr std::uintptr_t page = 4096;
+  const long page_size = ::sysconf(_SC_PAGESIZE);
+  const std::uintptr_t page = page_size > 0 ? static_cast<std::uintptr_t>(page_size) : 4096;
   const std::uintptr_t b = (first + page - 1) & ~(page - 1), e = last & ~(page - 1);
   if (e > b) (void)::madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE);
 #endif

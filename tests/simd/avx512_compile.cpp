@@ -1,6 +1,7 @@
 // Compile-only check (no test runs it): the library's kernels and pipelines build for AVX-512, which
 // this project's CI machines cannot execute. tests/CMakeLists.txt compiles this file with
 // -march=skylake-avx512 -Werror, so a kernel that only works for 8-lane batches fails the build.
+// The *_avx512 tests (same CMakeLists) run the kernels' tests for AVX-512 where the CPU has it.
 #include <kvcompress/kvcompress.hpp>
 
 #if defined(__AVX512F__)

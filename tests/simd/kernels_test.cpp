@@ -325,3 +325,50 @@ TEST_CASE("half and bfloat16 loads convert exactly", "[simd]") {
     }
   }
 }
+
+namespace {
+
+// simd::haddp: lane r = Σ lanes of row r (integer-valued floats, so every order of summation is exact
+// and a permuted result cannot pass), and equal rows give bit-equal sums wherever they sit.
+template <class A>
+void check_haddp(std::mt19937_64& rng) {
+  using B = simd::fbatch<A>;
+  constexpr long S = B::size;
+  B rows[S];
+  std::vector<float> lanes(std::size_t(S * S));
+  for (long r = 0; r < S; ++r)
+    for (long l = 0; l < S; ++l) lanes[std::size_t(r * S + l)] = float(1000 * r + 3 * l + (l == r ? 7 : 0));
+  for (long r = 0; r < S; ++r) rows[r] = B::load_unaligned(lanes.data() + r * S);
+  alignas(64) float got[S];
+  simd::haddp<A>(rows).store_aligned(got);
+  for (long r = 0; r < S; ++r) {
+    float want = 0.0f;
+    for (long l = 0; l < S; ++l) want += lanes[std::size_t(r * S + l)];
+    INFO("lanes " << S << " row " << r);
+    CHECK(got[r] == want);
+  }
+  // One random row copied into every position: all S sums must be the same float.
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  alignas(64) float row[S];
+  for (long l = 0; l < S; ++l) row[l] = u(rng);
+  for (long r = 0; r < S; ++r) rows[r] = B::load_aligned(row);
+  simd::haddp<A>(rows).store_aligned(got);
+  double exact = 0.0;
+  for (long l = 0; l < S; ++l) exact += double(row[l]);
+  for (long r = 0; r < S; ++r) {
+    INFO("lanes " << S << " position " << r);
+    CHECK(got[r] == got[0]);
+    CHECK(std::abs(double(got[r]) - exact) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("haddp sums row r into lane r, the same arithmetic for every position", "[simd]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(503);
+  check_haddp<simd::default_arch>(rng);
+#if XSIMD_WITH_SSE2
+  check_haddp<xsimd::sse2>(rng);
+#endif
+}

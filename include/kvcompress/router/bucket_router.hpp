@@ -33,7 +33,7 @@ namespace detail {
 
 /// out[c] = <rows[c], y> for `count` rows of element type T (pointers into the cache) and one row y (d)
 /// of type T, in float. Rows go in groups of fbatch<A>::size (8 on AVX2), one accumulator each (eight
-/// independent FMA chains), y loaded once per batch for the group; xsimd::haddp reduces the group's
+/// independent FMA chains), y loaded once per batch for the group; simd::haddp reduces the group's
 /// accumulators into one batch (lane c holds row c's sum, computed from row c alone, in a fixed
 /// order), then the serial tail. A short last group is padded by repeating its last row. So every row
 /// gets the same arithmetic whatever its place among the rows — equal rows give bit-equal dots, which
@@ -53,7 +53,7 @@ inline void dots_against(const T* const* rows, Index count, const T* y, Index d,
       for (Index r = 0; r < S; ++r) acc[r] = xsimd::fma(simd::load<A>(x[r] + k), yv, acc[r]);
     }
     alignas(64) float sums[S];
-    xsimd::haddp(acc).store_aligned(sums);
+    simd::haddp<A>(acc).store_aligned(sums);
     const Index live = std::min(S, count - c0);
     for (Index r = 0; r < live; ++r) {
       float s = sums[r];

@@ -37,6 +37,39 @@ inline float reduce_add(const fbatch<A>& b) {
   return xsimd::hadd(b);
 }
 
+/// Transposing horizontal sum of fbatch<A>::size batches: lane r of the result is the sum of the
+/// lanes of rows[r]. Every row's lanes are added in the same pattern whatever its position, so equal
+/// rows give bit-equal sums.
+///
+/// xsimd 8.1's AVX-512 float `haddp` returns the rows permuted (lane r holds the sum of row
+/// 0 1 4 5 2 3 6 7 8 9 12 13 10 11 14 15 for r = 0..15; found by running the tests on an AVX-512
+/// machine), so 16-lane batches use this reduction tree instead: halves, then 128-bit blocks, then
+/// pairs, then lanes; it leaves lane 4k + e holding input slot k + 4e, so the rows go in transposed.
+/// Other architectures use xsimd::haddp.
+template <class A>
+inline fbatch<A> haddp(const fbatch<A>* rows) {
+#if defined(__AVX512F__)
+  if constexpr (fbatch<A>::size == 16) {
+    // (z, y, x, w) selectors of _mm512_shuffle_f32x4 (128-bit blocks) and _mm512_shuffle_ps (lanes).
+    constexpr int lo = (1 << 6) | (0 << 4) | (1 << 2) | 0, hi = (3 << 6) | (2 << 4) | (3 << 2) | 2;
+    constexpr int even = (2 << 6) | (0 << 4) | (2 << 2) | 0, odd = (3 << 6) | (1 << 4) | (3 << 2) | 1;
+    __m512 u[8];  // u[i]: 8 partial sums (lane p + lane p+8) of slots 2i (blocks 0,1) and 2i+1 (blocks 2,3)
+    for (int i = 0; i < 8; ++i) {
+      const __m512 a = rows[4 * ((2 * i) % 4) + (2 * i) / 4], b = rows[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
+      u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lo), _mm512_shuffle_f32x4(a, b, hi));
+    }
+    __m512 w[4];  // w[i]: block k holds 4 partial sums of slot 4i + k
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], even),
+                           _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], odd));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], even), _mm512_shuffle_ps(w[0], w[1], odd));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(w[2], w[3], even), _mm512_shuffle_ps(w[2], w[3], odd));
+    return fbatch<A>(_mm512_add_ps(_mm512_shuffle_ps(x, y, even), _mm512_shuffle_ps(x, y, odd)));
+  }
+#endif
+  return xsimd::haddp(rows);
+}
+
 /// Horizontal maximum.
 template <class A>
 inline float reduce_max(const fbatch<A>& b) {

@@ -49,6 +49,36 @@ void BM_WindowMass(benchmark::State& state) {
   state.counters["workspace_MB"] = double(ws.bytes()) / 1e6;
 }
 
+/// The product alone, as stage 1 runs it (simd::window_logits_t over the same tiles of kSoftmaxTile keys,
+/// queries packed once per head) but into one reused tile, with no softmax and no mass pass: frac_peak is
+/// the micro-kernel's own fraction of the FMA peak, and BM_WindowMass minus this is the epilogue's cost.
+void BM_WindowLogits(benchmark::State& state) {
+  using A = simd::default_arch;
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const Index d = layer.head_dim(), R = layer.group_size() * layer.window(), Rp = simd::padded_queries<A>(R);
+  constexpr Index tile = kvc::detail::kSoftmaxTile;
+  std::vector<float> packed(static_cast<std::size_t>(Rp * d)), x(static_cast<std::size_t>(tile * Rp));
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      const auto q = kvc::gather_group_queries<float>(layer, g);
+      simd::pack_queries<A>(q.data(), d, R, d, 1.0f, packed.data());
+      for (Index j0 = 0; j0 < n; j0 += tile)
+        simd::window_logits_t<A>(layer.keys.row(g, j0), layer.keys.token_stride, std::min(tile, n - j0), d,
+                                 packed.data(), Rp, x.data(), Rp);
+      benchmark::DoNotOptimize(x.data());
+    }
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  const double per = total / double(state.iterations());
+  set_layer_counters(state, n, per);
+  state.counters["frac_peak"] = layer_gemm_flops(layer) / per * 1e-9 / peak_gflops();
+}
+
 /// Full probabilities (what GRKV and the co-attention router read), all heads.
 void BM_WindowProbabilities(benchmark::State& state) {
   const Index n = state.range(0);
@@ -185,6 +215,7 @@ void BM_StreamSum(benchmark::State& state) {
 BENCHMARK(BM_PeakFma)->UseManualTime();
 BENCHMARK(BM_Gemm)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowMass)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_WindowLogits)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowProbabilities)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::ValueWeighted)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::KeyNorm)->Apply(kvc::bench::layer_sizes);

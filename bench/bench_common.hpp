@@ -84,10 +84,12 @@ inline double peak_gflops() {
   const long iters = 4'000'000;
   for (int rep = 0; rep < 5; ++rep) {
     B acc[chains];
+#pragma GCC unroll 12
     for (int c = 0; c < chains; ++c) acc[c] = B(float(c) * 1e-3f);
     const B x(0.999999f), y(1e-7f);
     const double t0 = thread_seconds();
     for (long i = 0; i < iters; ++i)
+#pragma GCC unroll 12
       for (int c = 0; c < chains; ++c) acc[c] = xsimd::fma(acc[c], x, y);
     const double t = thread_seconds() - t0;
     float sink = 0;

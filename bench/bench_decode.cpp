@@ -80,6 +80,7 @@ void BM_StreamFma(benchmark::State& state) {
   for (auto _ : state) {
     const double t0 = thread_seconds();
     B s0(0.f), s1(0.f), s2(0.f), s3(0.f), a[8];
+#pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) a[c] = B(1.0f + 0.001f * float(c));
     const B decay(0.999f);
     for (std::size_t i = 0; i + 4 * S <= buf.size(); i += 4 * S) {
@@ -88,7 +89,9 @@ void BM_StreamFma(benchmark::State& state) {
       s1 += B::load_unaligned(&buf[i + S]);
       s2 += B::load_unaligned(&buf[i + 2 * S]);
       s3 += B::load_unaligned(&buf[i + 3 * S]);
+#pragma GCC unroll 2
       for (int round = 0; round < 2; ++round)
+#pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) a[c] = xsimd::fma(a[c], decay, v0);
     }
     B total = s0 + s1 + s2 + s3;

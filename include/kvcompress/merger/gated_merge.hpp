@@ -51,14 +51,17 @@ inline void dot_and_sum_squares4(const T* const* x, const T* const* y, Index d, 
   using B = simd::fbatch<A>;
   constexpr Index S = B::size;
   B xy[4], xx[4];
+#pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) xy[r] = xx[r] = B(0.0f);
   Index k = 0;
   for (; k + S <= d; k += S)
+#pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const B a = simd::load<A>(x[r] + k), b = simd::load<A>(y[r] + k);
       xy[r] = xsimd::fma(a, b, xy[r]);
       xx[r] = xsimd::fma(a, a, xx[r]);
     }
+#pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) {
     float sxy = simd::reduce_add<A>(xy[r]), sxx = simd::reduce_add<A>(xx[r]);
     for (Index t = k; t < d; ++t) {

@@ -37,7 +37,8 @@ namespace detail {
 /// accumulators into one batch (lane c holds row c's sum, computed from row c alone, in a fixed
 /// order), then the serial tail. A short last group is padded by repeating its last row. So every row
 /// gets the same arithmetic whatever its place among the rows — equal rows give bit-equal dots, which
-/// the router's tie rule depends on.
+/// the router's tie rule depends on. The loops over the group are unrolled by pragma, so the
+/// accumulators stay in registers at -O2 as well.
 template <class A, class T>
 inline void dots_against(const T* const* rows, Index count, const T* y, Index d, float* out) {
   using B = simd::fbatch<A>;
@@ -45,11 +46,14 @@ inline void dots_against(const T* const* rows, Index count, const T* y, Index d,
   const Index body = d - d % S;
   for (Index c0 = 0; c0 < count; c0 += S) {
     const T* x[S];
+#pragma GCC unroll 16
     for (Index r = 0; r < S; ++r) x[r] = rows[std::min(c0 + r, count - 1)];
     B acc[S];
+#pragma GCC unroll 16
     for (Index r = 0; r < S; ++r) acc[r] = B(0.0f);
     for (Index k = 0; k < body; k += S) {
       const B yv = simd::load<A>(y + k);
+#pragma GCC unroll 16
       for (Index r = 0; r < S; ++r) acc[r] = xsimd::fma(simd::load<A>(x[r] + k), yv, acc[r]);
     }
     alignas(64) float sums[S];

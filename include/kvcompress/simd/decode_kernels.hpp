@@ -12,6 +12,9 @@
 // * Both can issue software prefetches (simd::prefetch) for rows they will read later, in an order
 //   that keeps the memory stream sequential; pin_register keeps GCC from re-loading a batch at every
 //   use.
+// * The loops over a register block carry `#pragma GCC unroll`: GCC unrolls them fully by itself only
+//   at -O3, and at -O2 (RelWithDebInfo, common in engines) the accumulator arrays otherwise live on the
+//   stack (decode measured 1.6× slower; see bench/README.md, fifth round).
 //
 // Every kernel has a fixed summation order for a given A, d and block shape: results are deterministic.
 #pragma once
@@ -65,6 +68,7 @@ inline void transpose_sums8(const fbatch<A>* acc, float* out) {
     return;
   }
 #endif
+#pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) out[j] = reduce_add<A>(acc[j]);
 }
 
@@ -83,6 +87,7 @@ inline void dots_block(const float* q, Index q_stride, const T* const* k, Index 
   constexpr Index S = B::size;
   constexpr Index per_line = 64 / static_cast<Index>(sizeof(T));  // elements per 64-byte line
   B acc[8];
+#pragma GCC unroll 8
   for (int x = 0; x < 8; ++x) acc[x] = B(0.0f);
   const Index dv = d - d % S;
   // One row: acc[base + h] += q_h · k_row (base is a compile-time constant, so acc stays in registers).
@@ -91,6 +96,7 @@ inline void dots_block(const float* q, Index q_stride, const T* const* k, Index 
       if (prefetch_offset != 0 && c % per_line == 0) prefetch(kj + prefetch_offset + c);
       B kv = load<A>(kj + c);
       pin_register<A>(kv);
+#pragma GCC unroll 4
       for (int h = 0; h < NH; ++h) {
         B& a = acc[decltype(base)::value + h];
         a = xsimd::fma(B::load_unaligned(q + h * q_stride + c), kv, a);
@@ -122,23 +128,30 @@ inline void axpy_block(const float* w, Index w_stride, const T* v, Index v_strid
   using B = fbatch<A>;
   constexpr Index S = B::size;
   B acc[NH][NC];
+#pragma GCC unroll 4
   for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 2
     for (int n = 0; n < NC; ++n) acc[h][n] = B::load_unaligned(o + h * o_stride + c0 + n * S);
   for (Index j = 0; j < rows; ++j) {
     const T* vj = v + j * v_stride + c0;
     if (prefetch_base != nullptr && (prefetch_step + j) * 64 < prefetch_bytes)
       prefetch(prefetch_base + (prefetch_step + j) * 64);
     B vv[NC];
+#pragma GCC unroll 2
     for (int n = 0; n < NC; ++n) {
       vv[n] = load<A>(vj + n * S);
       pin_register<A>(vv[n]);
     }
+#pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
       const B wb(w[h * w_stride + j]);
+#pragma GCC unroll 2
       for (int n = 0; n < NC; ++n) acc[h][n] = xsimd::fma(wb, vv[n], acc[h][n]);
     }
   }
+#pragma GCC unroll 4
   for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 2
     for (int n = 0; n < NC; ++n) acc[h][n].store_unaligned(o + h * o_stride + c0 + n * S);
 }
 

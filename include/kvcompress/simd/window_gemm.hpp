@@ -121,6 +121,7 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
   constexpr Index L = B::size;
   const B ninf(-std::numeric_limits<float>::infinity());
   B lastc[CG], mx[CG];
+#pragma GCC unroll 4
   for (int u = 0; u < CG; ++u) {
     lastc[u] = B::load_unaligned(last + c + u * L);
     mx[u] = ninf;
@@ -128,6 +129,7 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
   for (Index j = 0; j < count; ++j) {
     float* p = x + j * ldx + c;
     const B row_pos(static_cast<float>(rel0 + j));
+#pragma GCC unroll 4
     for (int u = 0; u < CG; ++u) {
       B v = B::load_unaligned(p + u * L);
       nonfinite += v - v;
@@ -140,6 +142,7 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
     }
   }
   B finite_new[CG], sum[CG];
+#pragma GCC unroll 4
   for (int u = 0; u < CG; ++u) {
     const B m_old = B::load_unaligned(run_max + c + u * L);
     const B m_new = xsimd::max(m_old, mx[u]);
@@ -153,6 +156,7 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
   for (Index j = 0; j < count; ++j) {
     float* p = x + j * ldx + c;
     const B row_pos(static_cast<float>(rel0 + j));
+#pragma GCC unroll 4
     for (int u = 0; u < CG; ++u) {
       B e = simd::exp<A>(B::load_unaligned(p + u * L) - finite_new[u]);
       if (masked) e = xsimd::select(row_pos <= lastc[u], e, B(0.0f));
@@ -160,6 +164,7 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
       sum[u] += e;
     }
   }
+#pragma GCC unroll 4
   for (int u = 0; u < CG; ++u) sum[u].store_unaligned(run_sum + c + u * L);
 }
 

@@ -54,11 +54,13 @@ inline fbatch<A> haddp(const fbatch<A>* rows) {
     constexpr int lo = (1 << 6) | (0 << 4) | (1 << 2) | 0, hi = (3 << 6) | (2 << 4) | (3 << 2) | 2;
     constexpr int even = (2 << 6) | (0 << 4) | (2 << 2) | 0, odd = (3 << 6) | (1 << 4) | (3 << 2) | 1;
     __m512 u[8];  // u[i]: 8 partial sums (lane p + lane p+8) of slots 2i (blocks 0,1) and 2i+1 (blocks 2,3)
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m512 a = rows[4 * ((2 * i) % 4) + (2 * i) / 4], b = rows[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
       u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lo), _mm512_shuffle_f32x4(a, b, hi));
     }
     __m512 w[4];  // w[i]: block k holds 4 partial sums of slot 4i + k
+#pragma GCC unroll 8
     for (int i = 0; i < 4; ++i)
       w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], even),
                            _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], odd));

@@ -100,6 +100,21 @@ inline double peak_gflops() {
   return peak;
 }
 
+/// Runs `body` once per benchmark iteration, timed by the thread's CPU time, which becomes the
+/// iteration's time (benchmarks registered with UseManualTime); returns the mean seconds per iteration.
+template <class F>
+double time_iterations(benchmark::State& state, F&& body) {
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    body();
+    const double t = thread_seconds() - t0;
+    total += t;
+    state.SetIterationTime(t);
+  }
+  return total / double(state.iterations());
+}
+
 /// Streaming read bandwidth (bytes/s) of one core: a SIMD sum over `bytes` of float data, best of 3.
 inline double stream_bytes_per_second(std::size_t bytes) {
   static std::map<std::size_t, double> cache;

@@ -48,16 +48,11 @@ void BM_PipelineReuse(benchmark::State& state) {
   LayerResult<float> out;
   Workspace<float> ws;
   preset.run(layer, Budget::ratio(0.25), out, ws);
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     preset.run(layer, Budget::ratio(0.25), out, ws);
-    const double t = thread_seconds() - t0;
     benchmark::DoNotOptimize(out.heads.data());
-    total += t;
-    state.SetIterationTime(t);
-  }
-  set_layer_counters(state, n, total / double(state.iterations()));
+  });
+  set_layer_counters(state, n, per);
   double held = double(ws.bytes());
   for (const auto& h : out.heads) held += double(h.keys.size() + h.values.size() + h.bias.size()) * sizeof(float);
   state.counters["held_MB"] = held / 1e6;

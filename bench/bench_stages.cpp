@@ -32,18 +32,12 @@ void BM_WindowMass(benchmark::State& state) {
   const auto layer = layer_of(n).view();
   WindowWorkspace<float> ws;
   Vector<float> mass;
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     for (Index g = 0; g < layer.kv_heads(); ++g) {
       window_mass<float>(layer, g, AttentionArguments{}, mass, ws);
       benchmark::DoNotOptimize(mass.data());
     }
-    const double t = thread_seconds() - t0;
-    total += t;
-    state.SetIterationTime(t);
-  }
-  const double per = total / double(state.iterations());
+  });
   set_layer_counters(state, n, per);
   state.counters["frac_peak"] = layer_gemm_flops(layer) / per * 1e-9 / peak_gflops();
   state.counters["workspace_MB"] = double(ws.bytes()) / 1e6;
@@ -59,9 +53,7 @@ void BM_WindowLogits(benchmark::State& state) {
   const Index d = layer.head_dim(), R = layer.group_size() * layer.window(), Rp = simd::padded_queries<A>(R);
   constexpr Index tile = kvc::detail::kSoftmaxTile;
   std::vector<float> packed(static_cast<std::size_t>(Rp * d)), x(static_cast<std::size_t>(tile * Rp));
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     for (Index g = 0; g < layer.kv_heads(); ++g) {
       const auto q = kvc::gather_group_queries<float>(layer, g);
       simd::pack_queries<A>(q.data(), d, R, d, 1.0f, packed.data());
@@ -70,11 +62,7 @@ void BM_WindowLogits(benchmark::State& state) {
                                  packed.data(), Rp, x.data(), Rp);
       benchmark::DoNotOptimize(x.data());
     }
-    const double t = thread_seconds() - t0;
-    total += t;
-    state.SetIterationTime(t);
-  }
-  const double per = total / double(state.iterations());
+  });
   set_layer_counters(state, n, per);
   state.counters["frac_peak"] = layer_gemm_flops(layer) / per * 1e-9 / peak_gflops();
 }
@@ -84,18 +72,13 @@ void BM_WindowProbabilities(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
   RowMatrix<float> probs;
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     for (Index g = 0; g < layer.kv_heads(); ++g) {
       window_probabilities<float>(layer, g, AttentionArguments{}, probs);
       benchmark::DoNotOptimize(probs.data());
     }
-    const double t = thread_seconds() - t0;
-    total += t;
-    state.SetIterationTime(t);
-  }
-  set_layer_counters(state, n, total / double(state.iterations()));
+  });
+  set_layer_counters(state, n, per);
 }
 
 /// Scorers over all KV heads (ValueWeighted reads V once; KeyNorm reads K once).
@@ -105,18 +88,12 @@ void BM_Score(benchmark::State& state) {
   const auto layer = layer_of(n).view();
   const Vector<float> mass = Vector<float>::Constant(n, 1.0f / float(n));
   Vector<float> out;
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     for (Index g = 0; g < layer.kv_heads(); ++g) {
       Scorer{}.score(layer, g, mass, out);
       benchmark::DoNotOptimize(out.data());
     }
-    const double t = thread_seconds() - t0;
-    total += t;
-    state.SetIterationTime(t);
-  }
-  const double per = total / double(state.iterations());
+  });
   set_layer_counters(state, n, per);
   state.counters["bytes/s"] = double(layer.kv_heads() * n * layer.head_dim() * 4) / per;
 }
@@ -130,17 +107,12 @@ void BM_Select(benchmark::State& state) {
   for (auto& s : scores) s = Vector<float>::Random(n).cwiseAbs();
   const std::vector<Index> budgets(layer.kv_heads(), n / 4);
   TopK<0, 32, 5, Gr> sel;
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     Selection<float> out;
     sel.select(scores, budgets, out);
     benchmark::DoNotOptimize(out.kept.data());
-    const double t = thread_seconds() - t0;
-    total += t;
-    state.SetIterationTime(t);
-  }
-  set_layer_counters(state, n, total / double(state.iterations()));
+  });
+  set_layer_counters(state, n, per);
 }
 
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
@@ -163,9 +135,7 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
   MergeOutput<float> merged;
   Vector<float> bias;
   Routing routing;
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     for (Index g = 0; g < H; ++g) {
       const HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
       BucketRouter<32>{}.route(ctx, routing);
@@ -177,11 +147,8 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
       AttentionRatio{}.compensate(ctx, routing, merged, bias);
       benchmark::DoNotOptimize(bias.data());
     }
-    const double t = thread_seconds() - t0;
-    total += t;
-    state.SetIterationTime(t);
-  }
-  set_layer_counters(state, n, total / double(state.iterations()));
+  });
+  set_layer_counters(state, n, per);
 }
 
 /// Pipeline::validate's input scan (shapes + NaN/Inf in K, V and the window queries; core.hpp), the
@@ -189,15 +156,10 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
 void BM_ValidateLayer(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
+  const double per = time_iterations(state, [&] {
     benchmark::DoNotOptimize(validate_layer(layer, true).is_ok());
-    const double t = thread_seconds() - t0;
-    total += t;
-    state.SetIterationTime(t);
-  }
-  set_layer_counters(state, n, total / double(state.iterations()));
+  });
+  set_layer_counters(state, n, per);
 }
 
 /// Streaming-sum bandwidth probe over the bytes of a whole layer's K and V at this n (the decode

@@ -355,11 +355,8 @@ class Pipeline {
     std::vector<char> values_finite(static_cast<std::size_t>(H), 1);  // per head: every value row finite
     if (kOutputsFromMass) ws.outputs.resize(static_cast<std::size_t>(H));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
-      if (kScanValuesPerHead && args_.check_finite) {
-        bool ok = true;
-        for (Index j = 0; j < n; ++j) ok &= detail::row_finite(layer.values.row(g, j), d);
-        values_finite[static_cast<std::size_t>(g)] = ok;
-      }
+      if (kScanValuesPerHead && args_.check_finite)
+        values_finite[static_cast<std::size_t>(g)] = detail::head_finite(layer.values, g);
       if constexpr (kNeedsMass) {
         finite[static_cast<std::size_t>(g)] = window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
         if constexpr (kOutputsFromMass) window_outputs_after_mass(layer, g, scratch[worker], ws.outputs[g]);

@@ -76,37 +76,43 @@ inline void logits_block(const float* k, Index ldk, Index d, const float* qp, fl
     for (int v = 0; v < NV; ++v) acc[i][v].store_unaligned(out + i * ldo + v * L);
 }
 
-/// MR keys against every query panel.
-template <class A, int MR>
-inline void logits_rows(const float* k, Index ldk, Index d, const float* packed, Index Rp, float* out, Index ldo) {
-  constexpr Index L = fbatch<A>::size;
-  Index c0 = 0;
-  for (; Rp - c0 >= 2 * L; c0 += 2 * L) logits_block<A, MR, 2>(k, ldk, d, packed + c0 * d, out + c0, ldo);
-  if (c0 < Rp) logits_block<A, MR, 1>(k, ldk, d, packed + c0 * d, out + c0, ldo);
-}
-
 }  // namespace detail
 
 inline constexpr int kLogitsKeys = 6;  // keys per micro-kernel block
 
-/// out[j][c] (row stride ldo ≥ Rp) = Σ_p k_j[p] · packed column c, for `count` key rows
-/// k_j = k + j·ldk (d floats each) and every packed query column c < Rp = padded_queries(R).
-template <class A>
-inline void window_logits_t(const float* k, Index ldk, Index count, Index d, const float* packed, Index Rp,
-                            float* out, Index ldo) {
+namespace detail {
+/// All `count` keys against one panel of NV·L query columns: blocks of kLogitsKeys keys, then the rest.
+template <class A, int NV>
+inline void logits_panel(const float* k, Index ldk, Index count, Index d, const float* panel, float* out, Index ldo) {
+  constexpr int MR = kLogitsKeys;
   Index j = 0;
-  for (; j + kLogitsKeys <= count; j += kLogitsKeys)
-    detail::logits_rows<A, kLogitsKeys>(k + j * ldk, ldk, d, packed, Rp, out + j * ldo, ldo);
+  for (; j + MR <= count; j += MR) logits_block<A, MR, NV>(k + j * ldk, ldk, d, panel, out + j * ldo, ldo);
   const float* kr = k + j * ldk;
   float* o = out + j * ldo;
   switch (count - j) {
-    case 5: detail::logits_rows<A, 5>(kr, ldk, d, packed, Rp, o, ldo); break;
-    case 4: detail::logits_rows<A, 4>(kr, ldk, d, packed, Rp, o, ldo); break;
-    case 3: detail::logits_rows<A, 3>(kr, ldk, d, packed, Rp, o, ldo); break;
-    case 2: detail::logits_rows<A, 2>(kr, ldk, d, packed, Rp, o, ldo); break;
-    case 1: detail::logits_rows<A, 1>(kr, ldk, d, packed, Rp, o, ldo); break;
+    case 5: logits_block<A, 5, NV>(kr, ldk, d, panel, o, ldo); break;
+    case 4: logits_block<A, 4, NV>(kr, ldk, d, panel, o, ldo); break;
+    case 3: logits_block<A, 3, NV>(kr, ldk, d, panel, o, ldo); break;
+    case 2: logits_block<A, 2, NV>(kr, ldk, d, panel, o, ldo); break;
+    case 1: logits_block<A, 1, NV>(kr, ldk, d, panel, o, ldo); break;
     default: break;
   }
+}
+}  // namespace detail
+
+/// out[j][c] (row stride ldo ≥ Rp) = Σ_p k_j[p] · packed column c, for `count` key rows
+/// k_j = k + j·ldk (d floats each) and every packed query column c < Rp = padded_queries(R).
+/// Panel by panel: each panel (2L·d floats, 8 KiB on AVX2) stays in L1 while all the keys pass
+/// (re-read from L2 once per panel when a caller's tile of keys fits there); keys outer and panels
+/// inner instead streamed all Rp·d panel floats from L2 for every block of kLogitsKeys keys, 2.7× the
+/// L2 traffic, and measured about 5% slower on stage 1. Every output has the same arithmetic either way.
+template <class A>
+inline void window_logits_t(const float* k, Index ldk, Index count, Index d, const float* packed, Index Rp,
+                            float* out, Index ldo) {
+  constexpr Index L = fbatch<A>::size;
+  Index c0 = 0;
+  for (; Rp - c0 >= 2 * L; c0 += 2 * L) detail::logits_panel<A, 2>(k, ldk, count, d, packed + c0 * d, out + c0, ldo);
+  if (c0 < Rp) detail::logits_panel<A, 1>(k, ldk, count, d, packed + c0 * d, out + c0, ldo);
 }
 
 namespace detail {

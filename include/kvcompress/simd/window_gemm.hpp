@@ -7,8 +7,9 @@
 // so no key is ever copied or transposed (float input); every softmax statistic (row maximum, row
 // sum, rescaling) is then a vertical, lane-wise operation, and the attention mass of key j is one dot
 // product of its row with a per-tile factor vector. The micro-kernel keeps a 6-key × 2L-query block
-// of accumulators in registers (12 on AVX2) and does 2 loads + 6 broadcasts per 12 FMAs, so it runs
-// near the FMA peak when the query panels (G·W·d floats) fit in L2, which they do for W ≤ 64.
+// of accumulators in registers (12 on AVX2) and does 2 loads + 6 broadcasts per 12 FMAs; the product
+// goes panel by panel (window_logits_t), one panel in L1 while a caller's tile of keys (kSoftmaxTile·d
+// floats, 128 KiB at d = 128) is re-read from L2, so it runs near the FMA peak.
 //
 // Summation order is fixed (p = 0..d-1, one FMA chain per output), so results are deterministic.
 #pragma once
@@ -102,10 +103,11 @@ inline void logits_panel(const float* k, Index ldk, Index count, Index d, const 
 
 /// out[j][c] (row stride ldo ≥ Rp) = Σ_p k_j[p] · packed column c, for `count` key rows
 /// k_j = k + j·ldk (d floats each) and every packed query column c < Rp = padded_queries(R).
-/// Panel by panel: each panel (2L·d floats, 8 KiB on AVX2) stays in L1 while all the keys pass
-/// (re-read from L2 once per panel when a caller's tile of keys fits there); keys outer and panels
-/// inner instead streamed all Rp·d panel floats from L2 for every block of kLogitsKeys keys, 2.7× the
-/// L2 traffic, and measured about 5% slower on stage 1. Every output has the same arithmetic either way.
+/// Panel by panel: each panel (2L·d floats, 8 KiB on AVX2 at d = 128) stays in L1 while all the keys
+/// pass (re-read from L2 once per panel when a caller's tile of keys fits there); keys outer and panels
+/// inner instead streamed all Rp·d panel floats from L2 for every block of kLogitsKeys keys (2.7× the
+/// L2 traffic on AVX2) and measured about 5% slower on stage 1 there. Every output has the same
+/// arithmetic either way.
 template <class A>
 inline void window_logits_t(const float* k, Index ldk, Index count, Index d, const float* packed, Index Rp,
                             float* out, Index ldo) {

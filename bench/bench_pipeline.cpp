@@ -58,6 +58,35 @@ void BM_PipelineReuse(benchmark::State& state) {
   state.counters["held_MB"] = held / 1e6;
 }
 
+/// The fresh memory a one-shot run() allocates for its result: 2 · Hkv matrices of (n/4, d) floats
+/// through detail::resize_advised, as run() prepares them (BM_Pipeline pays this, BM_PipelineReuse does
+/// not); they are freed outside the timed part. window_buffer_ms: the same for one (n, 128) buffer, the
+/// window workspace's size at this layer shape, in one block. resize_advised prefaults only blocks of
+/// 4 MiB or more, so at n = 4096 (1 MiB matrices) nothing is touched here and the pages fault later, at
+/// the first write.
+void BM_FreshResultMemory(benchmark::State& state) {
+  const Index n = state.range(0), H = 8, d = 128;
+  double total = 0, window = 0;
+  for (auto _ : state) {
+    std::vector<RowMatrix<float>> result(static_cast<std::size_t>(2 * H));
+    RowMatrix<float> buffer;
+    const double t0 = thread_seconds();
+    for (auto& x : result) kvc::detail::resize_advised(x, n / 4, d);
+    const double t1 = thread_seconds();
+    kvc::detail::resize_advised(buffer, n, 128);
+    const double t2 = thread_seconds();
+    benchmark::DoNotOptimize(result.data());
+    benchmark::DoNotOptimize(buffer.data());
+    total += t1 - t0;
+    window += t2 - t1;
+    state.SetIterationTime(t1 - t0);
+  }
+  const double iters = double(state.iterations());
+  set_layer_counters(state, n, total / iters);
+  state.counters["MB"] = double(2 * H * (n / 4) * d) * sizeof(float) / 1e6;
+  state.counters["window_buffer_ms"] = window / iters * 1e3;
+}
+
 /// The same pipeline with Arguments::threads = range(1), wall time. speedup = wall time of threads = 1
 /// (best of 2, measured in this benchmark) / this wall time.
 template <class Preset>
@@ -94,6 +123,7 @@ void thread_sizes(benchmark::internal::Benchmark* b) {
 
 }  // namespace
 
+BENCHMARK(BM_FreshResultMemory)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::StreamingLLM)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::KNorm)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SnapKV)->Apply(kvc::bench::layer_sizes);

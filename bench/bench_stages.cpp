@@ -123,7 +123,8 @@ void BM_Select(benchmark::State& state) {
 
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
 /// all KV heads, with the selection and mass computed once outside the timing and one set of output
-/// buffers reused for every head (so page faults of fresh memory are not counted).
+/// buffers reused for every head (so page faults of fresh memory are not counted). As in the pipeline,
+/// only the keys are gathered: SoftGate writes every value row itself (fills_values).
 void BM_RouteMergeCompensate(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
@@ -148,7 +149,7 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
       merged.keys.resize(Index(sel.kept[g].size()), d);
       merged.values.resize(Index(sel.kept[g].size()), d);
       detail::gather_positions<float>(layer.keys, g, sel.kept[g], merged.keys);
-      detail::gather_positions<float>(layer.values, g, sel.kept[g], merged.values);
+      static_assert(detail::fills_values<SoftGate>::value, "as the pipeline: SoftGate writes every value row");
       SoftGate{}.merge(ctx, routing, merged);
       AttentionRatio{}.compensate(ctx, routing, merged, bias);
       benchmark::DoNotOptimize(bias.data());

@@ -57,6 +57,11 @@ template <class P>
 struct covers_values<P, std::void_t<decltype(P::covers_values)>> : std::bool_constant<P::covers_values> {};
 
 template <class P, class = void>
+struct fills_values : std::false_type {};
+template <class P>
+struct fills_values<P, std::void_t<decltype(P::fills_values)>> : std::bool_constant<P::fills_values> {};
+
+template <class P, class = void>
 struct needs_routing : std::false_type {};
 template <class P>
 struct needs_routing<P, std::void_t<decltype(P::needs_routing)>> : std::bool_constant<P::needs_routing> {};
@@ -391,7 +396,8 @@ class Pipeline {
       detail::resize_advised(merged.keys, m, d);  // (m_g, d) starts as the kept rows
       detail::resize_advised(merged.values, m, d);
       detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys);
-      detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values);
+      if constexpr (!detail::fills_values<Merger>::value)  // otherwise the merger writes every value row
+        detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values);
       merger().merge(ctx, routing, merged);
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)

@@ -197,8 +197,11 @@ struct Routing {
   bool routed() const { return !target.empty(); }
 };
 
-/// Merger output for one head. The pipeline fills keys/values with the kept tokens' original rows
-/// before calling the merger, so a merger that does nothing (Drop) is the identity.
+/// Merger output for one head. The pipeline fills keys and values with the kept tokens' original
+/// rows before calling the merger, so a merger that does nothing (Drop) is the identity. A merger
+/// that declares `static constexpr bool fills_values = true` instead gets `values` as (m, d) storage
+/// of unspecified contents and must write every row itself (GatedMerge does, in its one sweep over
+/// the cache, which saves the pipeline a pass over the kept value rows).
 template <class Real>
 struct MergeOutput {
   RowMatrix<Real> keys;    // (m, d)

@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -101,19 +103,24 @@ struct CosineGate {};  // g = max(cos(v_j, v_π(j)), 0)
 
 /// Weighted merge of routed evicted tokens into kept values (SelKV Eq. 4–5):
 ///   ṽ_i = (max(a_i,τ)·v_i + Σ_{π(j)=i} g_j·a_j·v_j) / (max(a_i,τ) + Σ_{π(j)=i} g_j·a_j)
-/// Keys are unchanged. Rows that receive nothing stay bit-identical.
+/// Keys are unchanged. Rows that receive nothing are bit-identical copies of the kept values.
+/// fills_values: out.values (m, d) may hold anything on entry; every row is written from the cache.
 /// One sweep over the evicted tokens (ascending j) in blocks of four: the block's gates first (they
 /// read only the cache: g is computed against the target's original value, whose Σ v_i² is computed
-/// once), then its contributions, accumulated in place in out.values (the kept rows the pipeline put
-/// there): a row is scaled by max(a_i,τ) when it first receives a token, g_j·a_j·v_j is added in
-/// ascending j, and the row is divided by its denominator right after its last contribution (while it
-/// is still in cache). Value rows are prefetched ahead of the sweep. Deterministic: the order of every
-/// sum is fixed by the routing. Cost O((n − m)·d), extra memory O(m) (no (m, d) temporary).
+/// once), then its contributions, accumulated in place in out.values: a row becomes max(a_i,τ)·v_i
+/// (read from the cache, where the gate has just read it) when it first receives a token,
+/// g_j·a_j·v_j is added in ascending j, and the row is divided by its denominator right after its
+/// last contribution (while it is still in cache). A kept row that receives nothing is copied from
+/// the cache when the sweep passes its position (its cache row is being prefetched then), so the
+/// pipeline has no separate pass over the kept values. Value rows are prefetched ahead of the sweep.
+/// Deterministic: the order of every sum is fixed by the routing. Cost O(n·d), extra memory O(m) (no
+/// (m, d) temporary).
 template <class Gate>
 struct GatedMerge {
   struct Arguments {};
   static constexpr bool needs_mass = true;
   static constexpr bool needs_routing = true;
+  static constexpr bool fills_values = true;
   Arguments args;
 
   /// How far (in positions) value rows are requested ahead of the sweep.
@@ -132,13 +139,24 @@ struct GatedMerge {
     const Index m = static_cast<Index>(kept.size()), d = ctx.head_dim();
     const Real tau = detail::mass_floor(a);
     out.gate.setZero(static_cast<Index>(evicted.size()));
-    if (evicted.empty()) return;
-    KVC_ASSERT(routing.target.size() == evicted.size());
     KVC_ASSERT(out.values.rows() == m && out.values.cols() == d);
+    KVC_ASSERT(routing.target.size() == evicted.size());
+    auto copy_kept = [&](Index i) {  // out row i <- the cached value of kept entry i, converted
+      const T* src = ctx.value(kept[static_cast<std::size_t>(i)]);
+      Real* dst = out.values.row(i).data();
+      if constexpr (std::is_same_v<T, Real>) std::memcpy(dst, src, static_cast<std::size_t>(d) * sizeof(Real));
+      else for (Index k = 0; k < d; ++k) dst[k] = to_real<Real>(src[k]);
+    };
 
     // last[i]: the last evicted index e routed to kept entry i (−1: none).
     std::vector<Index> last(static_cast<std::size_t>(m), Index(-1));
     for (std::size_t e = 0; e < evicted.size(); ++e) last[static_cast<std::size_t>(routing.target[e])] = Index(e);
+    // Kept entries below position `end` that receive no token are copied (in position order).
+    Index next_copy = 0;
+    auto copy_unrouted_before = [&](Index end) {
+      for (; next_copy < m && kept[static_cast<std::size_t>(next_copy)] < end; ++next_copy)
+        if (last[static_cast<std::size_t>(next_copy)] < 0) copy_kept(next_copy);
+    };
 
     Vector<Real> added = Vector<Real>::Zero(m);  // Σ g_j·a_j per kept entry
     Vector<Real> target_ss;                      // CosineGate: Σ v_i² of each target (−1 = not yet)
@@ -149,6 +167,7 @@ struct GatedMerge {
       // Gates of evicted e0 .. e0+3 (they read only the cache, never out.values) ...
       const std::size_t nb = std::min<std::size_t>(4, E - e0);
       prefetch.advance_to(evicted[e0 + nb - 1]);
+      copy_unrouted_before(evicted[e0 + nb - 1]);
       Real g[4] = {Real(1), Real(1), Real(1), Real(1)};
       if constexpr (cosine_gate) {
         const T* vj[4];
@@ -183,8 +202,9 @@ struct GatedMerge {
         if (w > Real(0)) {
           if (added[i] <= Real(0)) {  // first contribution: the row becomes max(a_i,τ)·v_i
             const Real own = std::max(a[kept[static_cast<std::size_t>(i)]], tau);
-            if constexpr (simd_float) simd::scale<simd::default_arch>(row, own, d);
-            else for (Index k = 0; k < d; ++k) row[k] *= own;
+            const T* vi = ctx.value(kept[static_cast<std::size_t>(i)]);
+            if constexpr (simd_float) simd::scale_into<simd::default_arch>(vi, own, row, d);
+            else for (Index k = 0; k < d; ++k) row[k] = to_real<Real>(vi[k]) * own;
           }
           added[i] += w;
           const T* vj = ctx.value(j);
@@ -193,13 +213,18 @@ struct GatedMerge {
           else
             for (Index k = 0; k < d; ++k) row[k] += w * to_real<Real>(vj[k]);
         }
-        if (last[static_cast<std::size_t>(i)] == Index(e) && added[i] > Real(0)) {  // row i is complete
-          const Real den = std::max(a[kept[static_cast<std::size_t>(i)]], tau) + added[i];
-          if constexpr (simd_float) simd::divide<simd::default_arch>(row, den, d);
-          else for (Index k = 0; k < d; ++k) row[k] /= den;
+        if (last[static_cast<std::size_t>(i)] == Index(e)) {  // row i is complete
+          if (added[i] > Real(0)) {
+            const Real den = std::max(a[kept[static_cast<std::size_t>(i)]], tau) + added[i];
+            if constexpr (simd_float) simd::divide<simd::default_arch>(row, den, d);
+            else for (Index k = 0; k < d; ++k) row[k] /= den;
+          } else {
+            copy_kept(i);  // routed to, but every contribution had weight 0
+          }
         }
       }
     }
+    copy_unrouted_before(std::numeric_limits<Index>::max());
   }
 };
 

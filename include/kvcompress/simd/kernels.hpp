@@ -131,6 +131,17 @@ inline void axpy(float w, const T* x, float* y, Index d) {
   for (; k < d; ++k) y[k] += w * to_float(x[k]);
 }
 
+/// y (d) = w·x for a row x of element type T (converted); y is only written.
+template <class A, class T>
+inline void scale_into(const T* x, float w, float* y, Index d) {
+  using B = fbatch<A>;
+  constexpr Index S = B::size;
+  const B wb(w);
+  Index k = 0;
+  for (; k + S <= d; k += S) (load<A>(x + k) * wb).store_unaligned(y + k);
+  for (; k < d; ++k) y[k] = to_float(x[k]) * w;
+}
+
 /// y (d) *= w.
 template <class A>
 inline void scale(float* y, float w, Index d) {

@@ -124,7 +124,7 @@ void BM_Select(benchmark::State& state) {
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
 /// all KV heads, with the selection and mass computed once outside the timing and one set of output
 /// buffers reused for every head (so page faults of fresh memory are not counted). As in the pipeline,
-/// only the keys are gathered: SoftGate writes every value row itself (fills_values).
+/// nothing is gathered: the router writes the kept keys (fills_keys), SoftGate the values (fills_values).
 void BM_RouteMergeCompensate(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
@@ -145,11 +145,11 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
   const double per = time_iterations(state, [&] {
     for (Index g = 0; g < H; ++g) {
       const HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
-      BucketRouter<32>{}.route(ctx, routing);
       merged.keys.resize(Index(sel.kept[g].size()), d);
       merged.values.resize(Index(sel.kept[g].size()), d);
-      detail::gather_positions<float>(layer.keys, g, sel.kept[g], merged.keys);
-      static_assert(detail::fills_values<SoftGate>::value, "as the pipeline: SoftGate writes every value row");
+      static_assert(detail::fills_keys<BucketRouter<32>>::value && detail::fills_values<SoftGate>::value,
+                    "as in the pipeline: the router writes the kept keys and SoftGate every value row");
+      BucketRouter<32>{}.route(ctx, routing, merged.keys);
       SoftGate{}.merge(ctx, routing, merged);
       AttentionRatio{}.compensate(ctx, routing, merged, bias);
       benchmark::DoNotOptimize(bias.data());

@@ -57,6 +57,11 @@ template <class P>
 struct covers_values<P, std::void_t<decltype(P::covers_values)>> : std::bool_constant<P::covers_values> {};
 
 template <class P, class = void>
+struct fills_keys : std::false_type {};
+template <class P>
+struct fills_keys<P, std::void_t<decltype(P::fills_keys)>> : std::bool_constant<P::fills_keys> {};
+
+template <class P, class = void>
 struct fills_values : std::false_type {};
 template <class P>
 struct fills_values<P, std::void_t<decltype(P::fills_values)>> : std::bool_constant<P::fills_values> {};
@@ -386,17 +391,22 @@ class Pipeline {
       const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g],
                                kOutputsFromMass ? &ws.outputs[static_cast<std::size_t>(g)] : nullptr);
       Routing& routing = ws.routing[static_cast<std::size_t>(worker)];
-      router().route(ctx, routing);  // π: (n − m_g) → kept index
-
       HeadResult<Real>& out = result.heads[g];
       MergeOutput<Real> merged;
       merged.keys.swap(out.keys);  // reuse the storage of a previous call
       merged.values.swap(out.values);
       const Index m = static_cast<Index>(sel.kept[g].size());
-      detail::resize_advised(merged.keys, m, d);  // (m_g, d) starts as the kept rows
+      detail::resize_advised(merged.keys, m, d);  // (m_g, d): the kept rows, for the merger
       detail::resize_advised(merged.values, m, d);
-      detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys);
-      if constexpr (!detail::fills_values<Merger>::value)  // otherwise the merger writes every value row
+      // π: (n − m_g) → kept index. A router or merger that fills the kept keys / values in its own
+      // sweep over the cache (fills_keys / fills_values) saves the gather's pass over those rows.
+      if constexpr (detail::fills_keys<Router>::value) {
+        router().route(ctx, routing, merged.keys);
+      } else {
+        router().route(ctx, routing);
+        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys);
+      }
+      if constexpr (!detail::fills_values<Merger>::value)
         detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values);
       merger().merge(ctx, routing, merged);
 

@@ -198,10 +198,14 @@ struct Routing {
 };
 
 /// Merger output for one head. The pipeline fills keys and values with the kept tokens' original
-/// rows before calling the merger, so a merger that does nothing (Drop) is the identity. A merger
-/// that declares `static constexpr bool fills_values = true` instead gets `values` as (m, d) storage
-/// of unspecified contents and must write every row itself (GatedMerge does, in its one sweep over
-/// the cache, which saves the pipeline a pass over the kept value rows).
+/// rows before calling the merger, so a merger that does nothing (Drop) is the identity. Two opt-ins
+/// save the pipeline's pass over those rows (gathering them from the cache) by writing them inside
+/// a sweep over the cache that reads them anyway:
+/// - a router with `static constexpr bool fills_keys = true` provides
+///   route(ctx, routing, RowMatrix<Real>& kept_keys), which must also write every kept key row
+///   (BucketRouter);
+/// - a merger with `static constexpr bool fills_values = true` gets `values` as (m, d) storage of
+///   unspecified contents and must write every row itself (GatedMerge).
 template <class Real>
 struct MergeOutput {
   RowMatrix<Real> keys;    // (m, d)

@@ -8,6 +8,7 @@
 #include "support/reference.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -25,7 +26,9 @@ RouteStatistic library_stat(int s) {
 }
 
 /// Routes head g with the library and returns, per evicted token (ascending), the kept POSITION it
-/// was sent to. `mass` is what the context hands the router (window_mass statistic).
+/// was sent to. `mass` is what the context hands the router (window_mass statistic). Also routes with
+/// the overload that writes the kept keys (fills_keys) into a NaN-filled matrix: the routing must be
+/// the same and every kept key row bit-identical to the cache's row, converted.
 template <class T>
 std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector<compute_t<T>>& mass,
                                 const std::vector<Index>& kept, Index bucket, RouteStatistic stat) {
@@ -37,6 +40,17 @@ std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector
   args.statistic = stat;
   Routing routing;
   BucketRouter<>{args}.route(ctx, routing);
+  using Real = compute_t<T>;
+  RowMatrix<Real> kept_keys = RowMatrix<Real>::Constant(static_cast<Index>(kept.size()), layer.head_dim(),
+                                                        std::numeric_limits<Real>::quiet_NaN());
+  Routing routing_fill;
+  BucketRouter<>{args}.route(ctx, routing_fill, kept_keys);
+  CHECK(routing_fill.target == routing.target);
+  bool keys_equal = true;
+  for (std::size_t i = 0; i < kept.size(); ++i)
+    for (Index k = 0; k < layer.head_dim(); ++k)
+      keys_equal = keys_equal && kept_keys(static_cast<Index>(i), k) == to_real<Real>(layer.keys.row(g, kept[i])[k]);
+  CHECK(keys_equal);
   std::vector<long> out;
   if (routing.target.size() != evicted.size()) return out;  // the caller checks the size
   for (Index t : routing.target)
@@ -273,6 +287,15 @@ TEMPLATE_TEST_CASE("BucketRouter routes nothing when nothing is evicted", "[rout
   BucketRouter<>{}.route(ctx, routing);
   CHECK(routing.target.empty());
   CHECK_FALSE(routing.routed());
+  // The overload that writes the kept keys writes all of them (here every key of the head).
+  using Real = compute_t<T>;
+  RowMatrix<Real> kept_keys = RowMatrix<Real>::Constant(f.n, layer.head_dim(), std::numeric_limits<Real>::quiet_NaN());
+  BucketRouter<>{}.route(ctx, routing, kept_keys);
+  CHECK(routing.target.empty());
+  RowMatrix<Real> want(f.n, layer.head_dim());
+  for (Index j = 0; j < f.n; ++j)
+    for (Index k = 0; k < layer.head_dim(); ++k) want(j, k) = to_real<Real>(layer.keys.row(1, j)[k]);
+  CHECK(kept_keys.cwiseEqual(want).all());
 }
 
 TEST_CASE("BucketRouter on half and bfloat16 keys agrees with the reference on the stored values",

@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <cstring>
 #include <iterator>
+#include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace kvc::detail {
 
@@ -106,6 +108,42 @@ void gather_positions(const TensorView<const T>& v, Index h, const Positions& po
     out.row(r) = Eigen::Map<const Row>(v.row(h, pos[r]), v.dim).template cast<Real>();
   }
 }
+
+/// Writes out.row(i) = the row of head h at positions[i] (ascending), converted to Real, from inside a
+/// sweep over the head by increasing position: copy_before(end, want) copies every row not passed yet
+/// whose position is below `end` and for which want(i) holds, while the sweep has those rows in cache
+/// (the policies that fill the result rows themselves use it instead of the pipeline's gather pass).
+template <class T, class Real>
+class KeptRowWriter {
+ public:
+  KeptRowWriter(const TensorView<const T>& v, Index h, const std::vector<Index>& positions, RowMatrix<Real>& out)
+      : view_(v), head_(h), positions_(positions), out_(out) {}
+
+  void copy(Index i) {
+    const T* src = view_.row(head_, positions_[static_cast<std::size_t>(i)]);
+    Real* dst = out_.row(i).data();
+    if constexpr (std::is_same_v<T, Real>) std::memcpy(dst, src, static_cast<std::size_t>(view_.dim) * sizeof(Real));
+    else for (Index k = 0; k < view_.dim; ++k) dst[k] = to_real<Real>(src[k]);
+  }
+
+  template <class Want>
+  void copy_before(Index end, Want&& want) {
+    const Index m = static_cast<Index>(positions_.size());
+    for (; next_ < m && positions_[static_cast<std::size_t>(next_)] < end; ++next_)
+      if (want(next_)) copy(next_);
+  }
+  void copy_before(Index end) {
+    copy_before(end, [](Index) { return true; });
+  }
+  void copy_rest() { copy_before(std::numeric_limits<Index>::max()); }
+
+ private:
+  TensorView<const T> view_;
+  Index head_;
+  const std::vector<Index>& positions_;
+  RowMatrix<Real>& out_;
+  Index next_ = 0;
+};
 
 /// Software prefetch of the rows of one head of a view, in position order, a fixed number of rows
 /// ahead of a front that only moves forward. For sweeps that read the head's rows roughly by

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -141,22 +140,12 @@ struct GatedMerge {
     out.gate.setZero(static_cast<Index>(evicted.size()));
     KVC_ASSERT(out.values.rows() == m && out.values.cols() == d);
     KVC_ASSERT(routing.target.size() == evicted.size());
-    auto copy_kept = [&](Index i) {  // out row i <- the cached value of kept entry i, converted
-      const T* src = ctx.value(kept[static_cast<std::size_t>(i)]);
-      Real* dst = out.values.row(i).data();
-      if constexpr (std::is_same_v<T, Real>) std::memcpy(dst, src, static_cast<std::size_t>(d) * sizeof(Real));
-      else for (Index k = 0; k < d; ++k) dst[k] = to_real<Real>(src[k]);
-    };
+    detail::KeptRowWriter<T, Real> writer(ctx.layer().values, ctx.head(), kept, out.values);
 
     // last[i]: the last evicted index e routed to kept entry i (−1: none).
     std::vector<Index> last(static_cast<std::size_t>(m), Index(-1));
     for (std::size_t e = 0; e < evicted.size(); ++e) last[static_cast<std::size_t>(routing.target[e])] = Index(e);
-    // Kept entries below position `end` that receive no token are copied (in position order).
-    Index next_copy = 0;
-    auto copy_unrouted_before = [&](Index end) {
-      for (; next_copy < m && kept[static_cast<std::size_t>(next_copy)] < end; ++next_copy)
-        if (last[static_cast<std::size_t>(next_copy)] < 0) copy_kept(next_copy);
-    };
+    const auto unrouted = [&](Index i) { return last[static_cast<std::size_t>(i)] < 0; };
 
     Vector<Real> added = Vector<Real>::Zero(m);  // Σ g_j·a_j per kept entry
     Vector<Real> target_ss;                      // CosineGate: Σ v_i² of each target (−1 = not yet)
@@ -167,7 +156,7 @@ struct GatedMerge {
       // Gates of evicted e0 .. e0+3 (they read only the cache, never out.values) ...
       const std::size_t nb = std::min<std::size_t>(4, E - e0);
       prefetch.advance_to(evicted[e0 + nb - 1]);
-      copy_unrouted_before(evicted[e0 + nb - 1]);
+      writer.copy_before(evicted[e0 + nb - 1], unrouted);  // kept rows that receive nothing
       Real g[4] = {Real(1), Real(1), Real(1), Real(1)};
       if constexpr (cosine_gate) {
         const T* vj[4];
@@ -219,12 +208,12 @@ struct GatedMerge {
             if constexpr (simd_float) simd::divide<simd::default_arch>(row, den, d);
             else for (Index k = 0; k < d; ++k) row[k] /= den;
           } else {
-            copy_kept(i);  // routed to, but every contribution had weight 0
+            writer.copy(i);  // routed to, but every contribution had weight 0
           }
         }
       }
     }
-    copy_unrouted_before(std::numeric_limits<Index>::max());
+    writer.copy_before(std::numeric_limits<Index>::max(), unrouted);
   }
 };
 

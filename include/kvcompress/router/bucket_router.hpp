@@ -87,6 +87,7 @@ struct BucketRouter {
     RouteStatistic statistic = DefaultStatistic;
   };
   static constexpr bool needs_mass = true;  // window_mass reads a; harmless otherwise
+  static constexpr bool fills_keys = true;  // route(ctx, routing, kept_keys) also writes the kept keys
   Arguments args;
 
   /// How far (in positions) key rows are requested ahead of the sweep.
@@ -109,12 +110,42 @@ struct BucketRouter {
   /// the head's window probabilities (one G·W × d × n product) and costs O((n − m)·c·G·W).
   template <class T>
   void route(const HeadContext<T>& ctx, Routing& routing) const {
+    route_impl(ctx, routing, static_cast<RowMatrix<compute_t<T>>*>(nullptr));
+  }
+
+  /// The same routing, and kept_keys (m, d; any contents on entry) <- the kept tokens' keys,
+  /// converted: each is copied as the sweep passes its position, while the sweep has it in cache (a
+  /// candidate's row has just been read), so the pipeline needs no separate pass over the kept keys.
+  template <class T>
+  void route(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>& kept_keys) const {
+    KVC_ASSERT(kept_keys.rows() == static_cast<Index>(ctx.kept().size()) && kept_keys.cols() == ctx.head_dim());
+    route_impl(ctx, routing, &kept_keys);
+  }
+
+ private:
+  template <class T>
+  void route_impl(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>* kept_keys) const {
+    using Real = compute_t<T>;
+    routing.target.assign(ctx.evicted().size(), -1);
+    if (kept_keys == nullptr) {
+      route_sweep(ctx, routing, [](Index) {});
+      return;
+    }
+    detail::KeptRowWriter<T, Real> writer(ctx.layer().keys, ctx.head(), ctx.kept(), *kept_keys);
+    route_sweep(ctx, routing, [&](Index end) { writer.copy_before(end); });
+    writer.copy_rest();
+  }
+
+  /// The sweep of route(). At each evicted token j (ascending) it calls passed(end): the sweep has
+  /// the kept keys below position `end` in cache (the end of j's bucket, whose candidates it has
+  /// just loaded; j itself for Global).
+  template <class T, class Passed>
+  void route_sweep(const HeadContext<T>& ctx, Routing& routing, Passed&& passed) const {
     using Real = compute_t<T>;
     const auto& kept = ctx.kept();
     const auto& evicted = ctx.evicted();
     const Index m = static_cast<Index>(kept.size()), d = ctx.head_dim();
     const Index B = args.bucket;
-    routing.target.assign(evicted.size(), -1);
     if (evicted.empty() || m == 0) return;
 
     const RouteStatistic stat = args.statistic;
@@ -164,6 +195,7 @@ struct BucketRouter {
           while (hi < m && kept[static_cast<std::size_t>(hi)] < b0 + B) ++hi;
           load_candidates();
         }
+        passed(b0 + B);
         if (lo == hi) {  // empty bucket: nearest kept position, ties to the earlier one
           // kept[lo − 1] < b0 <= j < b0 + B <= kept[lo]: the neighbours of j are lo − 1 and lo.
           Index pick;
@@ -174,6 +206,7 @@ struct BucketRouter {
           continue;
         }
       }
+      if (B == 0) passed(j);
       if (hi - lo == 1) {
         routing.target[e] = lo;
         continue;

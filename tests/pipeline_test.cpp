@@ -10,6 +10,7 @@
 #include "support/tolerances.hpp"
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -543,6 +544,12 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
       preset.run(bl.view(), Budget::ratio(0.3), out, ws);
       check_identical(out, preset.run(bl.view(), Budget::ratio(0.3)));
       const float* keys_before = out.heads[1].keys.data();
+      // Stale contents must not survive: a policy that fills the kept rows itself (fills_keys /
+      // fills_values) has to write every row, and the gathers every other row.
+      for (auto& h : out.heads) {
+        h.keys.setConstant(std::numeric_limits<float>::quiet_NaN());
+        h.values.setConstant(std::numeric_limits<float>::quiet_NaN());
+      }
       preset.run(bl.view(), Budget::ratio(0.3), out, ws);  // same shapes: no reallocation
       CHECK(out.heads[1].keys.data() == keys_before);
       check_identical(out, preset.run(bl.view(), Budget::ratio(0.3)));
@@ -565,8 +572,12 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
     check_identical(out, SnapKV{}.run(bl.view(), Budget::tokens(40)));
   }
   check(SelKV{}, "SelKV");
+  check(SelKVMergeAll{}, "SelKVMergeAll");
   SnapKV::Arguments threaded;
   threaded.threads = 2;
   check(SnapKV(threaded), "SnapKV, 2 threads");
+  SelKV::Arguments selkv_threaded;
+  selkv_threaded.threads = 2;
+  check(SelKV(selkv_threaded), "SelKV, 2 threads");
   check(SnapKVGRKV{}, "SnapKVGRKV");
 }

@@ -101,6 +101,13 @@ struct has_route<P, std::void_t<decltype(std::declval<const P&>().route(
                         std::declval<const ProbeContext&>(), std::declval<Routing&>()))>> : std::true_type {};
 
 template <class P, class = void>
+struct has_route_keys : std::false_type {};
+template <class P>
+struct has_route_keys<P, std::void_t<decltype(std::declval<const P&>().route(
+                             std::declval<const ProbeContext&>(), std::declval<Routing&>(),
+                             std::declval<RowMatrix<float>&>()))>> : std::true_type {};
+
+template <class P, class = void>
 struct has_merge : std::false_type {};
 template <class P>
 struct has_merge<P, std::void_t<decltype(std::declval<const P&>().merge(
@@ -153,6 +160,8 @@ class Pipeline {
                 "Merger must have a nested `Arguments` and `merge(ctx, routing, out)` (see merger/gated_merge.hpp)");
   static_assert(detail::has_arguments<Compensator>::value && detail::has_compensate<Compensator>::value,
                 "Compensator must have a nested `Arguments` and `compensate(ctx, routing, merged, bias)` (see compensator/compensators.hpp)");
+  static_assert(!detail::fills_keys<Router>::value || detail::has_route_keys<Router>::value,
+                "a Router with fills_keys must have `route(ctx, routing, kept_keys)` (see router/bucket_router.hpp)");
   static_assert(!detail::needs_routing<Merger>::value || !std::is_same_v<Router, NoRoute>,
                 "this Merger pours evicted tokens into routed targets: pair it with a Router (e.g. BucketRouter<>), not NoRoute");
 
@@ -396,8 +405,8 @@ class Pipeline {
       merged.keys.swap(out.keys);  // reuse the storage of a previous call
       merged.values.swap(out.values);
       const Index m = static_cast<Index>(sel.kept[g].size());
-      detail::resize_advised(merged.keys, m, d);  // (m_g, d): the kept rows, for the merger
-      detail::resize_advised(merged.values, m, d);
+      detail::resize_advised(merged.keys, m, d);  // (m_g, d): the kept rows, written below by the
+      detail::resize_advised(merged.values, m, d);  // router / merger or by the gathers
       // π: (n − m_g) → kept index. A router or merger that fills the kept keys / values in its own
       // sweep over the cache (fills_keys / fills_values) saves the gather's pass over those rows.
       if constexpr (detail::fills_keys<Router>::value) {

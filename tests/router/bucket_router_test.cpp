@@ -46,11 +46,12 @@ std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector
   Routing routing_fill;
   BucketRouter<>{args}.route(ctx, routing_fill, kept_keys);
   CHECK(routing_fill.target == routing.target);
-  bool keys_equal = true;
-  for (std::size_t i = 0; i < kept.size(); ++i)
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    bool row_equal = true;
     for (Index k = 0; k < layer.head_dim(); ++k)
-      keys_equal = keys_equal && kept_keys(static_cast<Index>(i), k) == to_real<Real>(layer.keys.row(g, kept[i])[k]);
-  CHECK(keys_equal);
+      row_equal = row_equal && kept_keys(static_cast<Index>(i), k) == to_real<Real>(layer.keys.row(g, kept[i])[k]);
+    if (!row_equal) FAIL_CHECK("kept key row " << i << " (position " << kept[i] << ") not written as the cache's row");
+  }
   std::vector<long> out;
   if (routing.target.size() != evicted.size()) return out;  // the caller checks the size
   for (Index t : routing.target)

@@ -78,6 +78,16 @@ void check_row_kernels(std::mt19937_64& rng) {
         CHECK(std::abs(acc[std::size_t(off + k)] - (0.5 + 0.75 * as_double(y[k]))) <=
               1e-6 * (1.0 + std::abs(as_double(y[k]))));
       for (long k = 0; k < off; ++k) CHECK(acc[std::size_t(k)] == 0.5f);  // nothing written before
+
+      // scale_into: out = w·y exactly as converting y to float and then multiplying (one rounding),
+      // whatever out held; nothing written outside [off, off + len).
+      std::vector<float> out(static_cast<std::size_t>(len + off + 1), std::numeric_limits<float>::quiet_NaN());
+      simd::scale_into<A>(y, 0.7f, out.data() + off, len);
+      long wrong = 0;
+      for (long k = 0; k < len; ++k) wrong += out[std::size_t(off + k)] == static_cast<float>(y[k]) * 0.7f ? 0 : 1;
+      CHECK(wrong == 0);
+      for (long k = 0; k < off; ++k) CHECK(std::isnan(out[std::size_t(k)]));
+      CHECK(std::isnan(out[std::size_t(off + len)]));
     }
 }
 

@@ -126,11 +126,20 @@ class KeptRowWriter {
     else for (Index k = 0; k < view_.dim; ++k) dst[k] = to_real<Real>(src[k]);
   }
 
+  /// Rows are requested kAhead rows before they are copied (a hint; the sweep's own prefetch may
+  /// already have brought them, and the last rows of a head lie past the sweep's end).
   template <class Want>
   void copy_before(Index end, Want&& want) {
     const Index m = static_cast<Index>(positions_.size());
-    for (; next_ < m && positions_[static_cast<std::size_t>(next_)] < end; ++next_)
+    for (; next_ < m && positions_[static_cast<std::size_t>(next_)] < end; ++next_) {
+#if defined(__GNUC__) || defined(__clang__)
+      if (next_ + kAhead < m) {
+        const T* p = view_.row(head_, positions_[static_cast<std::size_t>(next_ + kAhead)]);
+        for (Index k = 0; k < view_.dim; k += Index(64 / sizeof(T))) __builtin_prefetch(p + k, 0, 3);
+      }
+#endif
       if (want(next_)) copy(next_);
+    }
   }
   void copy_before(Index end) {
     copy_before(end, [](Index) { return true; });
@@ -138,6 +147,7 @@ class KeptRowWriter {
   void copy_rest() { copy_before(std::numeric_limits<Index>::max()); }
 
  private:
+  static constexpr Index kAhead = 8;
   TensorView<const T> view_;
   Index head_;
   const std::vector<Index>& positions_;

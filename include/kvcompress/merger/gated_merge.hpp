@@ -107,11 +107,13 @@ struct CosineGate {};  // g = max(cos(v_j, v_π(j)), 0)
 /// One sweep over the evicted tokens (ascending j) in blocks of four: the block's gates first (they
 /// read only the cache: g is computed against the target's original value, whose Σ v_i² is computed
 /// once), then its contributions, accumulated in place in out.values: a row becomes max(a_i,τ)·v_i
-/// (read from the cache, where the gate has just read it) when it first receives a token,
-/// g_j·a_j·v_j is added in ascending j, and the row is divided by its denominator right after its
-/// last contribution (while it is still in cache). A kept row that receives nothing is copied from
-/// the cache when the sweep passes its position (its cache row is being prefetched then), so the
-/// pipeline has no separate pass over the kept values. Value rows are prefetched ahead of the sweep.
+/// (v_i read from the cache; the cosine gate has just read it) at its first contribution of
+/// positive weight, g_j·a_j·v_j is added in ascending j, and the row is divided by its denominator
+/// right after its last contribution (while it is still in cache); a row whose contributions all
+/// have weight 0 is copied from the cache at its last one. A kept row that is routed nothing is
+/// copied from the cache when the sweep passes its position (its cache row is being prefetched
+/// then). So the pipeline has no separate pass over the kept values. Value rows are prefetched
+/// ahead of the sweep.
 /// Deterministic: the order of every sum is fixed by the routing. Cost O(n·d), extra memory O(m) (no
 /// (m, d) temporary).
 template <class Gate>
@@ -140,6 +142,7 @@ struct GatedMerge {
     out.gate.setZero(static_cast<Index>(evicted.size()));
     KVC_ASSERT(out.values.rows() == m && out.values.cols() == d);
     KVC_ASSERT(routing.target.size() == evicted.size());
+    KVC_ASSERT(m > 0 || evicted.empty());  // evicted tokens need a kept token to go to
     detail::KeptRowWriter<T, Real> writer(ctx.layer().values, ctx.head(), kept, out.values);
 
     // last[i]: the last evicted index e routed to kept entry i (−1: none).

@@ -104,7 +104,7 @@ struct BucketRouter {
   /// One sweep over the evicted tokens (ascending) with the bucket's candidate range [lo, hi) of
   /// ctx.kept() advanced alongside (no search). key_cosine ranks candidates by <k_i, k_j> / ‖k_i‖
   /// (∝ cosine: ‖k_j‖ is common to all of them; a zero-norm candidate scores 0), with ‖k_i‖
-  /// computed once per kept token and the keys read in place from the cache (no copy).
+  /// computed once per kept token and the keys read in place from the cache (routing copies none).
   /// window_mass picks its argmax once per bucket. Extra memory O(B) (O(m) for Global).
   /// Cost: O((n − m)·c·d) for key_cosine with c candidates per token; co_attention first computes
   /// the head's window probabilities (one G·W × d × n product) and costs O((n − m)·c·G·W).
@@ -137,8 +137,9 @@ struct BucketRouter {
   }
 
   /// The sweep of route(). At each evicted token j (ascending) it calls passed(end): the sweep has
-  /// the kept keys below position `end` in cache (the end of j's bucket, whose candidates it has
-  /// just loaded; j itself for Global).
+  /// gone past every position below `end` (the end of j's bucket; j itself for Global). With
+  /// key_cosine and buckets, the kept keys there are in cache (the bucket's candidates were just
+  /// loaded, the rest prefetched); KeptRowWriter prefetches its own rows a few ahead otherwise.
   template <class T, class Passed>
   void route_sweep(const HeadContext<T>& ctx, Routing& routing, Passed&& passed) const {
     using Real = compute_t<T>;

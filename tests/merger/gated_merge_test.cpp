@@ -54,6 +54,12 @@ MergeOutput<compute_t<T>> run_merge(const LayerView<T>& layer, Index g, const Ve
     Merger{}.merge(ctx, routing, out);
     CHECK(out.values.cwiseEqual(gathered.values).all());
     CHECK(out.gate.cwiseEqual(gathered.gate).all());
+    MergeOutput<Real> misshapen = out;  // values of the wrong shape are resized, then written
+    misshapen.values = RowMatrix<Real>::Constant(1, 1, std::numeric_limits<Real>::quiet_NaN());
+    Merger{}.merge(ctx, routing, misshapen);
+    REQUIRE(misshapen.values.rows() == m);
+    REQUIRE(misshapen.values.cols() == d);
+    CHECK(misshapen.values.cwiseEqual(gathered.values).all());
   } else {
     Merger{}.merge(ctx, routing, out);
   }

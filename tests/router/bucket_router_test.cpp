@@ -288,10 +288,13 @@ TEMPLATE_TEST_CASE("BucketRouter routes nothing when nothing is evicted", "[rout
   BucketRouter<>{}.route(ctx, routing);
   CHECK(routing.target.empty());
   CHECK_FALSE(routing.routed());
-  // The overload that writes the kept keys writes all of them (here every key of the head).
+  // The overload that writes the kept keys writes all of them (here every key of the head), into a
+  // matrix of the wrong shape too (it is resized).
   using Real = compute_t<T>;
-  RowMatrix<Real> kept_keys = RowMatrix<Real>::Constant(f.n, layer.head_dim(), std::numeric_limits<Real>::quiet_NaN());
+  RowMatrix<Real> kept_keys(3, 2);
   BucketRouter<>{}.route(ctx, routing, kept_keys);
+  REQUIRE(kept_keys.rows() == f.n);
+  REQUIRE(kept_keys.cols() == layer.head_dim());
   CHECK(routing.target.empty());
   RowMatrix<Real> want(f.n, layer.head_dim());
   for (Index j = 0; j < f.n; ++j)

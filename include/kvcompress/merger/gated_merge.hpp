@@ -103,7 +103,8 @@ struct CosineGate {};  // g = max(cos(v_j, v_π(j)), 0)
 /// Weighted merge of routed evicted tokens into kept values (SelKV Eq. 4–5):
 ///   ṽ_i = (max(a_i,τ)·v_i + Σ_{π(j)=i} g_j·a_j·v_j) / (max(a_i,τ) + Σ_{π(j)=i} g_j·a_j)
 /// Keys are unchanged. Rows that receive nothing are bit-identical copies of the kept values.
-/// fills_values: out.values (m, d) may hold anything on entry; every row is written from the cache.
+/// fills_values: out.values may hold anything on entry (it is resized to (m, d) when its shape
+/// differs); every row is written from the cache.
 /// One sweep over the evicted tokens (ascending j) in blocks of four: the block's gates first (they
 /// read only the cache: g is computed against the target's original value, whose Σ v_i² is computed
 /// once), then its contributions, accumulated in place in out.values: a row becomes max(a_i,τ)·v_i
@@ -140,7 +141,7 @@ struct GatedMerge {
     const Index m = static_cast<Index>(kept.size()), d = ctx.head_dim();
     const Real tau = detail::mass_floor(a);
     out.gate.setZero(static_cast<Index>(evicted.size()));
-    KVC_ASSERT(out.values.rows() == m && out.values.cols() == d);
+    if (out.values.rows() != m || out.values.cols() != d) out.values.resize(m, d);
     KVC_ASSERT(routing.target.size() == evicted.size());
     KVC_ASSERT(m > 0 || evicted.empty());  // evicted tokens need a kept token to go to
     detail::KeptRowWriter<T, Real> writer(ctx.layer().values, ctx.head(), kept, out.values);

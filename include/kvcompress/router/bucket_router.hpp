@@ -113,12 +113,14 @@ struct BucketRouter {
     route_impl(ctx, routing, static_cast<RowMatrix<compute_t<T>>*>(nullptr));
   }
 
-  /// The same routing, and kept_keys (m, d; any contents on entry) <- the kept tokens' keys,
-  /// converted: each is copied as the sweep passes its position, while the sweep has it in cache (a
-  /// candidate's row has just been read), so the pipeline needs no separate pass over the kept keys.
+  /// The same routing, and kept_keys <- the kept tokens' keys (m, d), converted: each is copied as
+  /// the sweep passes its position, while the sweep has it in cache (a candidate's row has just been
+  /// read), so the pipeline needs no separate pass over the kept keys. kept_keys is resized to (m, d)
+  /// when its shape differs; its previous contents do not matter.
   template <class T>
   void route(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>& kept_keys) const {
-    KVC_ASSERT(kept_keys.rows() == static_cast<Index>(ctx.kept().size()) && kept_keys.cols() == ctx.head_dim());
+    const Index m = static_cast<Index>(ctx.kept().size());
+    if (kept_keys.rows() != m || kept_keys.cols() != ctx.head_dim()) kept_keys.resize(m, ctx.head_dim());
     route_impl(ctx, routing, &kept_keys);
   }
 

@@ -57,9 +57,11 @@ void BM_WindowLogits(benchmark::State& state) {
     for (Index g = 0; g < layer.kv_heads(); ++g) {
       const auto q = kvc::gather_group_queries<float>(layer, g);
       simd::pack_queries<A>(q.data(), d, R, d, 1.0f, packed.data());
-      for (Index j0 = 0; j0 < n; j0 += tile)
-        simd::window_logits_t<A>(layer.keys.row(g, j0), layer.keys.token_stride, std::min(tile, n - j0), d,
-                                 packed.data(), Rp, x.data(), Rp);
+      for (Index j0 = 0; j0 < n; j0 += tile) {
+        const Index cnt = std::min(tile, n - j0), next = std::min(tile, n - j0 - cnt);
+        simd::window_logits_t<A>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, packed.data(), Rp,
+                                 x.data(), Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next);
+      }
       benchmark::DoNotOptimize(x.data());
     }
   });

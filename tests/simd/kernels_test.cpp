@@ -233,6 +233,15 @@ void check_window_gemm(std::mt19937_64& rng) {
           for (long c = R; c < Rp; ++c) CHECK(out[std::size_t(j * ldo + c)] == 0.f);
           for (long c = Rp; c < ldo; ++c) CHECK(out[std::size_t(j * ldo + c)] == -7.f);  // untouched
         }
+        // Prefetching a next tile of keys (a hint; fewer, as many or more rows than this tile) changes
+        // nothing, bit for bit.
+        for (long next_count : {1L, 6L, 13L}) {
+          const auto next = random_row<float>(rng, next_count * ldk);
+          std::vector<float> again(out.size(), -7.f);
+          simd::window_logits_t<A>(k.data(), ldk, count, d, packed.data(), Rp, again.data(), ldo, next.data(),
+                                   next_count);
+          CHECK(again == out);
+        }
       }
 
   // softmax_tile_t over two tiles (3 + 4 keys) of Rp = 2L lanes (single batches) and Rp = 5L lanes

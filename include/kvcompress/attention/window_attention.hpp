@@ -231,8 +231,9 @@ bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArgume
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
     float* x = ws.exps.row(j0).data();
     if constexpr (std::is_same_v<T, float>) {
+      const Index next = std::min(kSoftmaxTile, n - j0 - cnt);  // rows of the next tile, prefetched
       simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
-                                  x, Rp);
+                                  x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next);
     } else {
       auto keys = ws.key_tile.topRows(cnt);
       gather_rows<float>(layer.keys, g, j0, cnt, keys);

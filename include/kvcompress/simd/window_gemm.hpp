@@ -51,6 +51,24 @@ inline void pack_queries(const float* q, Index ldq, Index R, Index d, float scal
 namespace detail {
 
 /// MR keys × NV·L queries: out[i][c] = Σ_p k[i·ldk + p] · qp[p·NV·L + c], written with row stride ldo.
+/// Rows a panel pass prefetches into L2 while it computes (see window_logits_t): of the rows at
+/// `rows` (row stride of the keys, `count` of them), the 64-byte lines first_line, first_line + line_step, ...
+struct KeyPrefetch {
+  const float* rows = nullptr;  // null: none
+  Index count = 0;
+  Index first_line = 0, line_step = 1;
+};
+
+/// Prefetches, into L2, the assigned lines of rows [j, j + MR) of `pf` (all of them must be < pf.count).
+template <int MR>
+inline void prefetch_key_rows(const KeyPrefetch& pf, Index j, Index ldk, Index d) {
+  constexpr Index per_line = 64 / static_cast<Index>(sizeof(float));
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+    for (Index p = pf.first_line * per_line; p < d; p += pf.line_step * per_line)
+      __builtin_prefetch(pf.rows + (j + i) * ldk + p, 0, 2);
+}
+
 template <class A, int MR, int NV>
 inline void logits_block(const float* k, Index ldk, Index d, const float* qp, float* out, Index ldo) {
   using B = fbatch<A>;
@@ -83,11 +101,16 @@ inline constexpr int kLogitsKeys = 6;  // keys per micro-kernel block
 
 namespace detail {
 /// All `count` keys against one panel of NV·L query columns: blocks of kLogitsKeys keys, then the rest.
+/// Prefetches the lines `pf` assigns it of rows [j, j + MR) of pf.rows (those that exist) before each block.
 template <class A, int NV>
-inline void logits_panel(const float* k, Index ldk, Index count, Index d, const float* panel, float* out, Index ldo) {
+inline void logits_panel(const float* k, Index ldk, Index count, Index d, const float* panel, float* out, Index ldo,
+                         const KeyPrefetch& pf) {
   constexpr int MR = kLogitsKeys;
   Index j = 0;
-  for (; j + MR <= count; j += MR) logits_block<A, MR, NV>(k + j * ldk, ldk, d, panel, out + j * ldo, ldo);
+  for (; j + MR <= count; j += MR) {
+    if (pf.rows != nullptr && j + MR <= pf.count) prefetch_key_rows<MR>(pf, j, ldk, d);
+    logits_block<A, MR, NV>(k + j * ldk, ldk, d, panel, out + j * ldo, ldo);
+  }
   const float* kr = k + j * ldk;
   float* o = out + j * ldo;
   switch (count - j) {
@@ -108,13 +131,23 @@ inline void logits_panel(const float* k, Index ldk, Index count, Index d, const 
 /// inner instead streamed all Rp·d panel floats from L2 for every block of kLogitsKeys keys (2.7× the
 /// L2 traffic on AVX2) and measured about 5% slower on stage 1 there. Every output has the same
 /// arithmetic either way.
+///
+/// `next` (optional, same row stride ldk) names the `next_count` key rows the caller will pass in its
+/// next call: they are prefetched into L2 while this tile computes, each panel pass taking its share
+/// of their 64-byte lines (panel i of P: lines i, i + P, ...), so the next tile's first pass finds its
+/// keys in L2 instead of waiting on DRAM: the hardware prefetchers alone did not keep the first panel
+/// pass fed. On the AVX-512 VM of bench/README.md's seventh round, kvc_bench's BM_WindowLogits went
+/// from about 0.60 to 0.71 of the FMA peak with it (BM_WindowMass from 0.47 to 0.55).
 template <class A>
 inline void window_logits_t(const float* k, Index ldk, Index count, Index d, const float* packed, Index Rp,
-                            float* out, Index ldo) {
+                            float* out, Index ldo, const float* next = nullptr, Index next_count = 0) {
   constexpr Index L = fbatch<A>::size;
+  const Index panels = Rp / (2 * L) + (Rp % (2 * L) != 0 ? 1 : 0);
+  detail::KeyPrefetch pf{next, next_count, 0, panels};
   Index c0 = 0;
-  for (; Rp - c0 >= 2 * L; c0 += 2 * L) detail::logits_panel<A, 2>(k, ldk, count, d, packed + c0 * d, out + c0, ldo);
-  if (c0 < Rp) detail::logits_panel<A, 1>(k, ldk, count, d, packed + c0 * d, out + c0, ldo);
+  for (; Rp - c0 >= 2 * L; c0 += 2 * L, ++pf.first_line)
+    detail::logits_panel<A, 2>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf);
+  if (c0 < Rp) detail::logits_panel<A, 1>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf);
 }
 
 namespace detail {

@@ -242,6 +242,25 @@ void check_window_gemm(std::mt19937_64& rng) {
                                    next_count);
           CHECK(again == out);
         }
+        // tile_max: the lane maxima of the logits written (same outputs, bit for bit), NaN in the lanes
+        // of a non-finite logit (a NaN or an Inf key element reaches every lane; query padding is 0).
+        std::vector<float> with_max(out.size(), -7.f), tile_max(std::size_t(Rp), -5.f);
+        simd::window_logits_t<A>(k.data(), ldk, count, d, packed.data(), Rp, with_max.data(), ldo, nullptr, 0,
+                                 tile_max.data());
+        CHECK(with_max == out);
+        for (long c = 0; c < Rp; ++c) {
+          float want = -std::numeric_limits<float>::infinity();
+          for (long j = 0; j < count; ++j) want = std::max(want, out[std::size_t(j * ldo + c)]);
+          CHECK(tile_max[std::size_t(c)] == want);
+        }
+        for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()}) {
+          auto kb = k;
+          kb[std::size_t((count - 1) * ldk + d / 2)] = bad;
+          simd::window_logits_t<A>(kb.data(), ldk, count, d, packed.data(), Rp, with_max.data(), ldo, nullptr, 0,
+                                   tile_max.data());
+          for (long c = 0; c < Rp; ++c) CHECK(std::isnan(tile_max[std::size_t(c)]));
+        }
       }
 
   // softmax_tile_t over two tiles (3 + 4 keys) of Rp = 2L lanes (single batches) and Rp = 5L lanes
@@ -282,6 +301,32 @@ void check_window_gemm(std::mt19937_64& rng) {
         CHECK(std::abs(got - want) <= 1e-5 * want + 1e-30);
       }
     }
+    // With the product's lane maxima (tile_max) an unmasked, uncapped tile gives the same results bit for
+    // bit as the pass over it; a masked or capped one ignores them; a NaN maximum is reported.
+    for (const bool use_max : {false, true})
+      for (const bool masked : {false, true})
+        for (const float cap : {0.f, 3.f}) {
+          INFO("arch " << A::name() << " Rp " << Rp << " masked " << masked << " cap " << cap);
+          std::vector<float> lane_max(std::size_t(Rp), -std::numeric_limits<float>::infinity());
+          for (long j = 0; j < 3; ++j)
+            for (long c = 0; c < Rp; ++c) lane_max[std::size_t(c)] = std::max(lane_max[std::size_t(c)], raw[std::size_t(j * Rp + c)]);
+          if (masked || cap > 0.f) std::fill(lane_max.begin(), lane_max.end(), 1e30f);  // must be ignored
+          std::vector<float> xa = raw, xb = raw, ma(std::size_t(Rp), -std::numeric_limits<float>::infinity()), mb = ma;
+          std::vector<float> sa(std::size_t(Rp), 0.f), sb = sa, ha = sa, hb = sa;
+          CHECK(simd::softmax_tile_t<A>(xa.data(), Rp, 3, Rp, -base, masked, last.data(), cap, ma.data(), sa.data(),
+                                        ha.data()));
+          CHECK(simd::softmax_tile_t<A>(xb.data(), Rp, 3, Rp, -base, masked, last.data(), cap, mb.data(), sb.data(),
+                                        hb.data(), use_max ? lane_max.data() : nullptr));
+          CHECK(xa == xb);
+          CHECK(ma == mb);
+          CHECK(sa == sb);
+          CHECK(ha == hb);
+          if (!masked && cap == 0.f) {
+            lane_max[std::size_t(Rp - 1)] = std::numeric_limits<float>::quiet_NaN();
+            CHECK_FALSE(simd::softmax_tile_t<A>(xb.data(), Rp, 3, Rp, -base, false, last.data(), 0.f, mb.data(),
+                                                sb.data(), hb.data(), lane_max.data()));
+          }
+        }
     // Non-finite raw logits are reported (NaN and Inf; the soft-cap would hide the Inf), in every lane group.
     for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()})
       for (long lane : {1L, Rp - 1}) {

@@ -53,12 +53,13 @@ struct WindowWorkspace {
   Vector<Real> row_sum;      // (R or Rp) final denominator Z_r
   Vector<Real> lane_last;    // (Rp) last visible window offset of each lane (mass path)
   Vector<Real> factor;       // (Rp) per-tile rescaling factors (mass path)
+  Vector<Real> tile_max;     // (Rp) lane maxima of the current tile, from the product (mass path)
   std::vector<Index> live;   // (R) visible columns of the current tile
 
   std::size_t bytes() const {
     const auto b = [](const auto& m) { return static_cast<std::size_t>(m.size()) * sizeof(Real); };
     return b(queries) + b(packed) + b(exps) + b(key_tile) + b(shift) + b(row_max) + b(row_sum) +
-           b(lane_last) + b(factor) + live.capacity() * sizeof(Index);
+           b(lane_last) + b(factor) + b(tile_max) + live.capacity() * sizeof(Index);
   }
 };
 
@@ -224,6 +225,7 @@ bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArgume
   ws.row_max.setConstant(Rp, -std::numeric_limits<float>::infinity());
   ws.row_sum.setZero(Rp);
   ws.lane_last.resize(Rp);
+  ws.tile_max.resize(Rp);
   for (Index c = 0; c < Rp; ++c) ws.lane_last[c] = static_cast<float>(c < R ? c % W : W);
   if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
   bool finite = true;
@@ -233,14 +235,17 @@ bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArgume
     if constexpr (std::is_same_v<T, float>) {
       const Index next = std::min(kSoftmaxTile, n - j0 - cnt);  // rows of the next tile, prefetched
       simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
-                                  x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next);
+                                  x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next,
+                                  ws.tile_max.data());
     } else {
       auto keys = ws.key_tile.topRows(cnt);
       gather_rows<float>(layer.keys, g, j0, cnt, keys);
-      simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp);
+      simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp, nullptr, 0,
+                                  ws.tile_max.data());
     }
     finite &= simd::softmax_tile_t<Arch>(x, Rp, cnt, Rp, j0 - base, j0 + cnt > base, ws.lane_last.data(), cap,
-                                         ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data());
+                                         ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data(),
+                                         ws.tile_max.data());
   }
   mass.resize(n);
   ws.factor.resize(Rp);

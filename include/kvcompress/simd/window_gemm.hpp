@@ -50,7 +50,6 @@ inline void pack_queries(const float* q, Index ldq, Index R, Index d, float scal
 
 namespace detail {
 
-/// MR keys × NV·L queries: out[i][c] = Σ_p k[i·ldk + p] · qp[p·NV·L + c], written with row stride ldo.
 /// Rows a panel pass prefetches into L2 while it computes (see window_logits_t): of the rows at
 /// `rows` (row stride of the keys, `count` of them), the 64-byte lines first_line, first_line + line_step, ...
 struct KeyPrefetch {
@@ -69,8 +68,18 @@ inline void prefetch_key_rows(const KeyPrefetch& pf, Index j, Index ldk, Index d
       __builtin_prefetch(pf.rows + (j + i) * ldk + p, 0, 2);
 }
 
-template <class A, int MR, int NV>
-inline void logits_block(const float* k, Index ldk, Index d, const float* qp, float* out, Index ldo) {
+/// Per-lane statistics of the logits a panel pass writes (window_logits_t's tile_max): the maximum
+/// over the keys, and x − x summed (0 while every logit is finite, NaN once one is NaN or ±Inf).
+template <class A, int NV>
+struct LaneStats {
+  fbatch<A> max[NV], nonfinite[NV];
+};
+
+/// MR keys × NV·L queries: out[i][c] = Σ_p k[i·ldk + p] · qp[p·NV·L + c], written with row stride ldo;
+/// with STATS, also folded into `stats` from the registers.
+template <class A, int MR, int NV, bool STATS = false>
+inline void logits_block(const float* k, Index ldk, Index d, const float* qp, float* out, Index ldo,
+                         LaneStats<A, NV>* stats = nullptr) {
   using B = fbatch<A>;
   constexpr Index L = B::size, P = NV * L;
   B acc[MR][NV];
@@ -93,6 +102,15 @@ inline void logits_block(const float* k, Index ldk, Index d, const float* qp, fl
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v].store_unaligned(out + i * ldo + v * L);
+  if constexpr (STATS) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        stats->max[v] = xsimd::max(stats->max[v], acc[i][v]);
+        stats->nonfinite[v] += acc[i][v] - acc[i][v];
+      }
+  }
 }
 
 }  // namespace detail
@@ -102,24 +120,37 @@ inline constexpr int kLogitsKeys = 6;  // keys per micro-kernel block
 namespace detail {
 /// All `count` keys against one panel of NV·L query columns: blocks of kLogitsKeys keys, then the rest.
 /// Prefetches the lines `pf` assigns it of rows [j, j + MR) of pf.rows (those that exist) before each block.
-template <class A, int NV>
+/// With STATS, writes the panel's lanes of tile_max (see window_logits_t).
+template <class A, int NV, bool STATS>
 inline void logits_panel(const float* k, Index ldk, Index count, Index d, const float* panel, float* out, Index ldo,
-                         const KeyPrefetch& pf) {
+                         const KeyPrefetch& pf, float* tile_max) {
+  using B = fbatch<A>;
+  constexpr Index L = B::size;
   constexpr int MR = kLogitsKeys;
+  LaneStats<A, NV> st;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    st.max[v] = B(-std::numeric_limits<float>::infinity());
+    st.nonfinite[v] = B(0.0f);
+  }
   Index j = 0;
   for (; j + MR <= count; j += MR) {
     if (pf.rows != nullptr && j + MR <= pf.count) prefetch_key_rows<MR>(pf, j, ldk, d);
-    logits_block<A, MR, NV>(k + j * ldk, ldk, d, panel, out + j * ldo, ldo);
+    logits_block<A, MR, NV, STATS>(k + j * ldk, ldk, d, panel, out + j * ldo, ldo, &st);
   }
   const float* kr = k + j * ldk;
   float* o = out + j * ldo;
   switch (count - j) {
-    case 5: logits_block<A, 5, NV>(kr, ldk, d, panel, o, ldo); break;
-    case 4: logits_block<A, 4, NV>(kr, ldk, d, panel, o, ldo); break;
-    case 3: logits_block<A, 3, NV>(kr, ldk, d, panel, o, ldo); break;
-    case 2: logits_block<A, 2, NV>(kr, ldk, d, panel, o, ldo); break;
-    case 1: logits_block<A, 1, NV>(kr, ldk, d, panel, o, ldo); break;
+    case 5: logits_block<A, 5, NV, STATS>(kr, ldk, d, panel, o, ldo, &st); break;
+    case 4: logits_block<A, 4, NV, STATS>(kr, ldk, d, panel, o, ldo, &st); break;
+    case 3: logits_block<A, 3, NV, STATS>(kr, ldk, d, panel, o, ldo, &st); break;
+    case 2: logits_block<A, 2, NV, STATS>(kr, ldk, d, panel, o, ldo, &st); break;
+    case 1: logits_block<A, 1, NV, STATS>(kr, ldk, d, panel, o, ldo, &st); break;
     default: break;
+  }
+  if constexpr (STATS) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) (st.max[v] + st.nonfinite[v]).store_unaligned(tile_max + v * L);
   }
 }
 }  // namespace detail
@@ -138,16 +169,30 @@ inline void logits_panel(const float* k, Index ldk, Index count, Index d, const 
 /// keys in L2 instead of waiting on DRAM: the hardware prefetchers alone did not keep the first panel
 /// pass fed. On the AVX-512 VM of bench/README.md's seventh round, kvc_bench's BM_WindowLogits went
 /// from about 0.60 to 0.71 of the FMA peak with it (BM_WindowMass from 0.47 to 0.55).
+///
+/// `tile_max` (optional, Rp floats): receives, lane by lane, the maximum of the `count` logits written,
+/// or NaN when one of them is NaN or ±Inf; taken from the registers, so softmax_tile_t can skip its
+/// own pass over the tile for it (count ≥ 1).
 template <class A>
 inline void window_logits_t(const float* k, Index ldk, Index count, Index d, const float* packed, Index Rp,
-                            float* out, Index ldo, const float* next = nullptr, Index next_count = 0) {
+                            float* out, Index ldo, const float* next = nullptr, Index next_count = 0,
+                            float* tile_max = nullptr) {
   constexpr Index L = fbatch<A>::size;
   const Index panels = Rp / (2 * L) + (Rp % (2 * L) != 0 ? 1 : 0);
   detail::KeyPrefetch pf{next, next_count, 0, panels};
   Index c0 = 0;
-  for (; Rp - c0 >= 2 * L; c0 += 2 * L, ++pf.first_line)
-    detail::logits_panel<A, 2>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf);
-  if (c0 < Rp) detail::logits_panel<A, 1>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf);
+  for (; Rp - c0 >= 2 * L; c0 += 2 * L, ++pf.first_line) {
+    if (tile_max != nullptr)
+      detail::logits_panel<A, 2, true>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, tile_max + c0);
+    else
+      detail::logits_panel<A, 2, false>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, nullptr);
+  }
+  if (c0 < Rp) {
+    if (tile_max != nullptr)
+      detail::logits_panel<A, 1, true>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, tile_max + c0);
+    else
+      detail::logits_panel<A, 1, false>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, nullptr);
+  }
 }
 
 namespace detail {
@@ -157,7 +202,8 @@ namespace detail {
 /// the arithmetic is that of CG = 1. Accumulates x − x of every raw logit into `nonfinite`.
 template <class A, int CG>
 inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel0, bool masked, const float* last,
-                            float softcap_c, float* run_max, float* run_sum, float* shift, fbatch<A>& nonfinite) {
+                            float softcap_c, float* run_max, float* run_sum, float* shift, fbatch<A>& nonfinite,
+                            const float* tile_max) {
   using B = fbatch<A>;
   constexpr Index L = B::size;
   const B ninf(-std::numeric_limits<float>::infinity());
@@ -167,7 +213,14 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
     lastc[u] = B::load_unaligned(last + c + u * L);
     mx[u] = ninf;
   }
-  for (Index j = 0; j < count; ++j) {
+  if (tile_max != nullptr) {  // the product's own maxima (window_logits_t), NaN for a non-finite logit
+#pragma GCC unroll 4
+    for (int u = 0; u < CG; ++u) {
+      mx[u] = B::load_unaligned(tile_max + c + u * L);
+      nonfinite += mx[u] - mx[u];
+    }
+  }
+  for (Index j = 0; j < (tile_max != nullptr ? 0 : count); ++j) {
     float* p = x + j * ldx + c;
     const B row_pos(static_cast<float>(rel0 + j));
 #pragma GCC unroll 4
@@ -224,18 +277,25 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
 /// over the rows in order, so results do not depend on the grouping.
 /// Returns false when a raw logit of the tile (before the soft-cap, padding lanes included) is NaN
 /// or ±Inf: the caller's keys or queries were not finite, or the product overflowed.
+/// `tile_max` (optional, Rp floats): the lane maxima of the tile as window_logits_t's tile_max gives
+/// them (NaN for a non-finite logit); used, instead of a pass over the tile, only when neither
+/// `masked` nor the soft-cap applies. Results are the same either way.
 template <class A>
 inline bool softmax_tile_t(float* x, Index ldx, Index count, Index Rp, Index rel0, bool masked, const float* last,
-                           float softcap_c, float* run_max, float* run_sum, float* shift) {
+                           float softcap_c, float* run_max, float* run_sum, float* shift,
+                           const float* tile_max = nullptr) {
   using B = fbatch<A>;
   constexpr Index L = B::size;
   constexpr int CG = 4;
+  if (masked || softcap_c > 0.0f) tile_max = nullptr;
   B nonfinite(0.0f);  // accumulates x − x: 0 for finite x, NaN for NaN and ±Inf
   Index c = 0;
   for (; c + CG * L <= Rp; c += CG * L)
-    detail::softmax_lanes_t<A, CG>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite);
+    detail::softmax_lanes_t<A, CG>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite,
+                                   tile_max);
   for (; c < Rp; c += L)
-    detail::softmax_lanes_t<A, 1>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite);
+    detail::softmax_lanes_t<A, 1>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite,
+                                  tile_max);
   return xsimd::all(nonfinite == B(0.0f));
 }
 

@@ -375,7 +375,7 @@ class Pipeline {
     if (kOutputsFromMass) ws.outputs.resize(static_cast<std::size_t>(H));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       if (kScanValuesPerHead && args_.check_finite)
-        values_finite[static_cast<std::size_t>(g)] = detail::head_finite(layer.values, g);
+        values_finite[static_cast<std::size_t>(g)] = detail::head_finite_scan(layer.values, g);
       if constexpr (kNeedsMass) {
         finite[static_cast<std::size_t>(g)] = window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
         if constexpr (kOutputsFromMass) window_outputs_after_mass(layer, g, scratch[worker], ws.outputs[g]);

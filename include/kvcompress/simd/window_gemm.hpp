@@ -9,7 +9,9 @@
 // product of its row with a per-tile factor vector. The micro-kernel keeps a 6-key × 2L-query block
 // of accumulators in registers (12 on AVX2) and does 2 loads + 6 broadcasts per 12 FMAs; the product
 // goes panel by panel (window_logits_t), one panel in L1 while a caller's tile of keys (kSoftmaxTile·d
-// floats, 128 KiB at d = 128) is re-read from L2, so it runs near the FMA peak.
+// floats, 128 KiB at d = 128) is re-read from L2, and the panel passes of one tile prefetch the next
+// tile's keys into L2 between them, so it runs near the FMA peak. It can also hand the softmax each
+// tile's lane maxima from its registers (tile_max), which saves the softmax a pass over the tile.
 //
 // Summation order is fixed (p = 0..d-1, one FMA chain per output), so results are deterministic.
 #pragma once

@@ -46,7 +46,11 @@ struct ValueWeighted {
     using Real = compute_t<T>;
     const Index n = layer.tokens(), d = layer.head_dim();
     out.resize(n);
-    for (Index j = 0; j < n; ++j) out[j] = mass[j] * detail::row_norm<Real>(layer.values.row(g, j), d);
+    detail::RowPrefetcher<T> prefetch(layer.values, g, detail::kScanPrefetchRows);
+    for (Index j = 0; j < n; ++j) {
+      prefetch.advance_to(j + 1);
+      out[j] = mass[j] * detail::row_norm<Real>(layer.values.row(g, j), d);
+    }
   }
 };
 
@@ -66,7 +70,11 @@ struct KeyNorm {
     using Real = compute_t<T>;
     const Index n = layer.tokens(), d = layer.head_dim();
     out.resize(n);
-    for (Index j = 0; j < n; ++j) out[j] = -detail::row_norm<Real>(layer.keys.row(g, j), d);
+    detail::RowPrefetcher<T> prefetch(layer.keys, g, detail::kScanPrefetchRows);
+    for (Index j = 0; j < n; ++j) {
+      prefetch.advance_to(j + 1);
+      out[j] = -detail::row_norm<Real>(layer.keys.row(g, j), d);
+    }
   }
 };
 

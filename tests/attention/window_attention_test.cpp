@@ -8,6 +8,7 @@
 #include "support/tolerances.hpp"
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 using namespace kvc;
@@ -322,6 +323,28 @@ TEST_CASE("padded strides read the same values as dense layouts", "[attention][w
   REQUIRE(validate_layer(layer));
   const auto strided = run_library(layer, pr.args());
   CHECK(bitwise_equal(dense, strided));
+}
+
+TEST_CASE("a NaN or Inf key in a tile before the window makes window_mass report it", "[attention][window][errors]") {
+  // Keys before the window lie in unmasked tiles, where the softmax takes each tile's maxima from the
+  // product (window_logits_t's tile_max) instead of its own pass: the non-finite logit must still show.
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(107);
+  Problem pr(rng, 2, 4, 600, 16, 8, 0.0);
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()})
+    for (const long row : {0L, 10L, 300L})
+      for (const double softcap : {0.0, 1.5}) {
+        INFO("bad " << bad << " at key row " << row << " softcap " << softcap);
+        pr.softcap = softcap;
+        kvc::test::LayerBuffers<float> b(pr.K, pr.V, pr.Q, Layout::token_major);
+        WindowWorkspace<float> ws;
+        Vector<float> mass;
+        CHECK(window_mass<float>(b.view(), 1, pr.args(), mass, ws));
+        b.keys.view.row(1, row)[5] = bad;
+        CHECK(window_mass<float>(b.view(), 0, pr.args(), mass, ws));  // the other head is finite
+        CHECK_FALSE(window_mass<float>(b.view(), 1, pr.args(), mass, ws));
+      }
 }
 
 TEST_CASE("window outputs from the mass workspace equal the reference A·V", "[attention][window][outputs]") {

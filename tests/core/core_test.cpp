@@ -24,42 +24,6 @@ TEST_CASE("views address both layouts without copies", "[core][view]") {
   CHECK(detail::rows_disjoint(tm));
 }
 
-TEST_CASE("the SIMD scan of a head finds every NaN and Inf that the plain scan finds", "[core][errors]") {
-  // detail::head_finite_scan (float: SIMD, one reduction per head, prefetching) against detail::head_finite,
-  // over dims with and without a SIMD tail, both layouts, and a bad element at the first, last, a
-  // middle and a tail position; finite extremes (max, denormal, -0) are finite.
-  const float bads[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                        -std::numeric_limits<float>::infinity()};
-  for (const Index d : {Index(1), Index(7), Index(16), Index(17), Index(40), Index(128)})
-    for (const Index n : {Index(1), Index(5), Index(13)})
-      for (const bool head_major : {true, false}) {
-        const Index H = 3;
-        std::vector<float> buf(static_cast<std::size_t>(H * n * d));
-        for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = float(i % 11) - 5.f;
-        buf[0] = std::numeric_limits<float>::max();
-        buf[buf.size() / 2] = std::numeric_limits<float>::denorm_min();
-        buf.back() = -0.f;
-        const auto v = head_major ? make_head_major<const float>(buf.data(), H, n, d)
-                                  : make_token_major<const float>(buf.data(), n, H, d);
-        INFO("d " << d << " n " << n << " head-major " << head_major);
-        for (Index h = 0; h < H; ++h) CHECK(detail::head_finite_scan(v, h));
-        const std::pair<Index, Index> spots[] = {{0, 0}, {n - 1, d - 1}, {n / 2, d / 2}, {n - 1, d - d % 16}};
-        for (const auto& [j, k] : spots)
-          for (const float bad : bads)
-            for (Index h = 0; h < H; ++h) {
-              INFO("bad " << bad << " at head " << h << " row " << j << " element " << k);
-              float& x = const_cast<float&>(v.row(h, j)[std::min(k, d - 1)]);
-              const float keep = x;
-              x = bad;
-              for (Index other = 0; other < H; ++other) {
-                CHECK(detail::head_finite_scan(v, other) == detail::head_finite(v, other));
-                CHECK(detail::head_finite_scan(v, other) == (other != h));
-              }
-              x = keep;
-            }
-      }
-}
-
 TEST_CASE("aliasing strides are detected", "[core][view][errors]") {
   std::vector<float> buf(1000);
   TensorView<const float> v{buf.data(), 2, 4, 8, 8, 8};  // heads and tokens share rows

@@ -4,6 +4,7 @@
 
 #include <kvcompress/simd/kernels.hpp>
 #include <kvcompress/simd/window_gemm.hpp>
+#include <kvcompress/kvcompress.hpp>
 
 #include "support/random.hpp"
 
@@ -322,9 +323,12 @@ void check_window_gemm(std::mt19937_64& rng) {
           CHECK(sa == sb);
           CHECK(ha == hb);
           if (!masked && cap == 0.f) {
-            lane_max[std::size_t(Rp - 1)] = std::numeric_limits<float>::quiet_NaN();
-            CHECK_FALSE(simd::softmax_tile_t<A>(xb.data(), Rp, 3, Rp, -base, false, last.data(), 0.f, mb.data(),
-                                                sb.data(), hb.data(), lane_max.data()));
+            for (const long lane : {1L, Rp - 1}) {  // in a group of four batches and in the single-batch tail
+              auto poisoned = lane_max;
+              poisoned[std::size_t(lane)] = std::numeric_limits<float>::quiet_NaN();
+              CHECK_FALSE(simd::softmax_tile_t<A>(xb.data(), Rp, 3, Rp, -base, false, last.data(), 0.f, mb.data(),
+                                                  sb.data(), hb.data(), poisoned.data()));
+            }
           }
         }
     // Non-finite raw logits are reported (NaN and Inf; the soft-cap would hide the Inf), in every lane group.
@@ -370,6 +374,43 @@ TEST_CASE("simd kernels match double loops on SSE2 (narrower batches)", "[simd]"
   check_all_types<xsimd::sse2>(rng);
 }
 #endif
+
+TEST_CASE("the SIMD scan of a head finds every NaN and Inf that the plain scan finds", "[simd][errors]") {
+  using kvc::Index;
+  // detail::head_finite_scan (float: SIMD, one reduction per head, prefetching) against detail::head_finite,
+  // over dims with and without a SIMD tail, both layouts, and a bad element at the first, last, a
+  // middle and a tail position; finite extremes (max, denormal, -0) are finite.
+  const float bads[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                        -std::numeric_limits<float>::infinity()};
+  for (const Index d : {Index(1), Index(7), Index(16), Index(17), Index(40), Index(128)})
+    for (const Index n : {Index(1), Index(5), Index(13)})
+      for (const bool head_major : {true, false}) {
+        const Index H = 3;
+        std::vector<float> buf(static_cast<std::size_t>(H * n * d));
+        for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = float(i % 11) - 5.f;
+        buf[0] = std::numeric_limits<float>::max();
+        buf[buf.size() / 2] = std::numeric_limits<float>::denorm_min();
+        buf.back() = -0.f;
+        const auto v = head_major ? kvc::make_head_major<const float>(buf.data(), H, n, d)
+                                  : kvc::make_token_major<const float>(buf.data(), n, H, d);
+        INFO("d " << d << " n " << n << " head-major " << head_major);
+        for (Index h = 0; h < H; ++h) CHECK(kvc::detail::head_finite_scan(v, h));
+        const std::pair<Index, Index> spots[] = {{0, 0}, {n - 1, d - 1}, {n / 2, d / 2}, {n - 1, d - d % 16}};
+        for (const auto& [j, k] : spots)
+          for (const float bad : bads)
+            for (Index h = 0; h < H; ++h) {
+              INFO("bad " << bad << " at head " << h << " row " << j << " element " << k);
+              float& x = const_cast<float&>(v.row(h, j)[std::min(k, d - 1)]);
+              const float keep = x;
+              x = bad;
+              for (Index other = 0; other < H; ++other) {
+                CHECK(kvc::detail::head_finite_scan(v, other) == kvc::detail::head_finite(v, other));
+                CHECK(kvc::detail::head_finite_scan(v, other) == (other != h));
+              }
+              x = keep;
+            }
+      }
+}
 
 TEST_CASE("half and bfloat16 loads convert exactly", "[simd]") {
   using A = simd::default_arch;

@@ -232,20 +232,20 @@ bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArgume
   for (Index t = 0; t < tiles; ++t) {
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
     float* x = ws.exps.row(j0).data();
+    const bool masked = j0 + cnt > base;
+    // The product's lane maxima spare the softmax a pass, except where it masks or soft-caps.
+    float* tile_max = masked || cap > 0.0f ? nullptr : ws.tile_max.data();
     if constexpr (std::is_same_v<T, float>) {
       const Index next = std::min(kSoftmaxTile, n - j0 - cnt);  // rows of the next tile, prefetched
       simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
-                                  x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next,
-                                  ws.tile_max.data());
+                                  x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next, tile_max);
     } else {
       auto keys = ws.key_tile.topRows(cnt);
       gather_rows<float>(layer.keys, g, j0, cnt, keys);
-      simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp, nullptr, 0,
-                                  ws.tile_max.data());
+      simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp, nullptr, 0, tile_max);
     }
-    finite &= simd::softmax_tile_t<Arch>(x, Rp, cnt, Rp, j0 - base, j0 + cnt > base, ws.lane_last.data(), cap,
-                                         ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data(),
-                                         ws.tile_max.data());
+    finite &= simd::softmax_tile_t<Arch>(x, Rp, cnt, Rp, j0 - base, masked, ws.lane_last.data(), cap,
+                                         ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data(), tile_max);
   }
   mass.resize(n);
   ws.factor.resize(Rp);

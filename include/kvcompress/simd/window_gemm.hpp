@@ -10,7 +10,7 @@
 // of accumulators in registers (12 on AVX2) and does 2 loads + 6 broadcasts per 12 FMAs; the product
 // goes panel by panel (window_logits_t), one panel in L1 while a caller's tile of keys (kSoftmaxTile·d
 // floats, 128 KiB at d = 128) is re-read from L2, and the panel passes of one tile prefetch the next
-// tile's keys into L2 between them, so it runs near the FMA peak. It can also hand the softmax each
+// tile's keys into L2 while they compute, so it runs near the FMA peak. It can also hand the softmax each
 // tile's lane maxima from its registers (tile_max), which saves the softmax a pass over the tile.
 //
 // Summation order is fixed (p = 0..d-1, one FMA chain per output), so results are deterministic.
@@ -121,7 +121,8 @@ inline constexpr int kLogitsKeys = 6;  // keys per micro-kernel block
 
 namespace detail {
 /// All `count` keys against one panel of NV·L query columns: blocks of kLogitsKeys keys, then the rest.
-/// Prefetches the lines `pf` assigns it of rows [j, j + MR) of pf.rows (those that exist) before each block.
+/// Before each full block of MR keys, prefetches the lines `pf` assigns it of rows [j, j + MR) of pf.rows
+/// when they all exist.
 /// With STATS, writes the panel's lanes of tile_max (see window_logits_t).
 template <class A, int NV, bool STATS>
 inline void logits_panel(const float* k, Index ldk, Index count, Index d, const float* panel, float* out, Index ldo,
@@ -170,7 +171,8 @@ inline void logits_panel(const float* k, Index ldk, Index count, Index d, const 
 /// of their 64-byte lines (panel i of P: lines i, i + P, ...), so the next tile's first pass finds its
 /// keys in L2 instead of waiting on DRAM: the hardware prefetchers alone did not keep the first panel
 /// pass fed. On the AVX-512 VM of bench/README.md's seventh round, kvc_bench's BM_WindowLogits went
-/// from about 0.60 to 0.71 of the FMA peak with it (BM_WindowMass from 0.47 to 0.55).
+/// from about 0.60 to 0.71 of the FMA peak with it (BM_WindowMass from 0.47 to 0.55; three alternating
+/// runs of the old and new binaries). Rows of a last partial block of kLogitsKeys are not prefetched.
 ///
 /// `tile_max` (optional, Rp floats): receives, lane by lane, the maximum of the `count` logits written,
 /// or NaN when one of them is NaN or ±Inf; taken from the registers, so softmax_tile_t can skip its
@@ -289,7 +291,7 @@ inline bool softmax_tile_t(float* x, Index ldx, Index count, Index Rp, Index rel
   using B = fbatch<A>;
   constexpr Index L = B::size;
   constexpr int CG = 4;
-  if (masked || softcap_c > 0.0f) tile_max = nullptr;
+  if (masked || softcap_c > 0.0f || count == 0) tile_max = nullptr;
   B nonfinite(0.0f);  // accumulates x − x: 0 for finite x, NaN for NaN and ±Inf
   Index c = 0;
   for (; c + CG * L <= Rp; c += CG * L)

@@ -201,7 +201,7 @@ bool head_finite_scan(const TensorView<const T>& v, Index h) {
     constexpr Index L = static_cast<Index>(IB::size);
     const IB exponent(0x7f800000u);
     auto bad = IB(0u) != IB(0u);  // all false
-    std::uint32_t bad_tail = 0;
+    bool tail_ok = true;
     RowPrefetcher<float> prefetch(v, h, kScanPrefetchRows);
     for (Index j = 0; j < v.tokens; ++j) {
       prefetch.advance_to(j + 1);
@@ -209,13 +209,9 @@ bool head_finite_scan(const TensorView<const T>& v, Index h) {
       Index k = 0;
       for (; k + L <= v.dim; k += L)
         bad = bad | ((xsimd::bitwise_cast<IB>(simd::fbatch<A>::load_unaligned(r + k)) & exponent) == exponent);
-      for (; k < v.dim; ++k) {
-        std::uint32_t b;
-        std::memcpy(&b, r + k, sizeof b);
-        bad_tail |= static_cast<std::uint32_t>((b & 0x7f800000u) == 0x7f800000u);
-      }
+      if (k < v.dim) tail_ok &= row_finite(r + k, v.dim - k);
     }
-    return bad_tail == 0 && xsimd::none(bad);
+    return tail_ok && xsimd::none(bad);
   }
 }
 

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 
 namespace kvc::simd {
 
@@ -183,20 +184,19 @@ inline void window_logits_t(const float* k, Index ldk, Index count, Index d, con
                             float* tile_max = nullptr) {
   constexpr Index L = fbatch<A>::size;
   const Index panels = Rp / (2 * L) + (Rp % (2 * L) != 0 ? 1 : 0);
-  detail::KeyPrefetch pf{next, next_count, 0, panels};
-  Index c0 = 0;
-  for (; Rp - c0 >= 2 * L; c0 += 2 * L, ++pf.first_line) {
-    if (tile_max != nullptr)
-      detail::logits_panel<A, 2, true>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, tile_max + c0);
-    else
-      detail::logits_panel<A, 2, false>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, nullptr);
-  }
-  if (c0 < Rp) {
-    if (tile_max != nullptr)
-      detail::logits_panel<A, 1, true>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, tile_max + c0);
-    else
-      detail::logits_panel<A, 1, false>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, nullptr);
-  }
+  const auto all_panels = [&](auto stats) {  // stats: std::bool_constant, whether tile_max is written
+    constexpr bool S = decltype(stats)::value;
+    detail::KeyPrefetch pf{next, next_count, 0, panels};
+    Index c0 = 0;
+    for (; Rp - c0 >= 2 * L; c0 += 2 * L, ++pf.first_line)
+      detail::logits_panel<A, 2, S>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, S ? tile_max + c0 : nullptr);
+    if (c0 < Rp)
+      detail::logits_panel<A, 1, S>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, S ? tile_max + c0 : nullptr);
+  };
+  if (tile_max != nullptr)
+    all_panels(std::true_type{});
+  else
+    all_panels(std::false_type{});
 }
 
 namespace detail {

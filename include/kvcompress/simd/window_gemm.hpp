@@ -68,7 +68,7 @@ inline void prefetch_key_rows(const KeyPrefetch& pf, Index j, Index ldk, Index d
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
     for (Index p = pf.first_line * per_line; p < d; p += pf.line_step * per_line)
-      __builtin_prefetch(pf.rows + (j + i) * ldk + p, 0, 2);
+      prefetch_l2(pf.rows + (j + i) * ldk + p);
 }
 
 /// Per-lane statistics of the logits a panel pass writes (window_logits_t's tile_max): the maximum

@@ -31,6 +31,21 @@ using default_arch = xsimd::default_arch;
 template <class A>
 using fbatch = xsimd::batch<float, A>;
 
+/// Asks for the 64-byte line holding `p` in L2 (x86: prefetcht1). A hint: results never depend on it.
+/// On x86 with GCC or Clang it is an `asm volatile`, not __builtin_prefetch: GCC 12 (-O2, -O3) may
+/// delete a loop whose body is only __builtin_prefetch calls (a loop without side effects), depending
+/// on how the surrounding code is inlined and unrolled. A small reorganisation of window_logits_t's
+/// prefetch loop (eighth round, bench/README.md) left kvc_bench with no prefetcht1 at all, silently.
+inline void prefetch_l2(const void* p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  (void)p;
+#endif
+}
+
 /// Horizontal sum (xsimd 8.1 has no `reduce_add`).
 template <class A>
 inline float reduce_add(const fbatch<A>& b) {

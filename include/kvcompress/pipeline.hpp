@@ -33,6 +33,9 @@
 
 namespace kvc {
 
+struct Drop;            // merger/gated_merge.hpp
+struct NoCompensation;  // compensator/compensators.hpp
+
 namespace detail {
 
 template <class P, class = void>
@@ -285,6 +288,10 @@ class Pipeline {
   static constexpr bool kFoldKeyScan =
       (kNeedsMass && std::is_same_v<compute_t<T>, float>) || detail::covers_keys<Scorer>::value;
   static constexpr bool kScanValuesPerHead = !detail::covers_values<Scorer>::value;
+  /// Nothing after the gathers reads the kept rows (the merger drops, the compensator reads no rows):
+  /// the gathers then write the result with streaming stores (detail::gather_positions), the keys
+  /// only when no RoPE repositioning follows.
+  static constexpr bool kStreamGathers = std::is_same_v<Merger, Drop> && std::is_same_v<Compensator, NoCompensation>;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
   static constexpr bool kOutputsFromMass = kNeedsMass && detail::needs_window_outputs<Merger>::value;
 
@@ -413,10 +420,11 @@ class Pipeline {
         router().route(ctx, routing, merged.keys);
       } else {
         router().route(ctx, routing);
-        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys);
+        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys,
+                                       kStreamGathers && !args_.reposition.enabled);
       }
       if constexpr (!detail::fills_values<Merger>::value)
-        detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values);
+        detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values, kStreamGathers);
       merger().merge(ctx, routing, merged);
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)

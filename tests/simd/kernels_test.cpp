@@ -412,6 +412,49 @@ TEST_CASE("the SIMD scan of a head finds every NaN and Inf that the plain scan f
       }
 }
 
+TEST_CASE("gathering rows with streaming stores writes exactly the rows the plain gather writes", "[simd]") {
+  using kvc::Index;
+  // detail::gather_positions(..., streaming = true) (the pipeline's gathers when nothing reads the result
+  // rows afterwards) against the source rows, over dims with and without a SIMD tail, both layouts,
+  // unsorted and repeated positions, and destinations whose rows are aligned (streamed) or not (memcpy).
+  for (const Index d : {Index(1), Index(4), Index(7), Index(16), Index(17), Index(40), Index(128)})
+    for (const bool head_major : {true, false}) {
+      const Index H = 2, n = 23;
+      std::vector<float> buf(static_cast<std::size_t>(H * n * d));
+      for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = float(i) * 0.25f - 7.f;
+      const auto v = head_major ? kvc::make_head_major<const float>(buf.data(), H, n, d)
+                                : kvc::make_token_major<const float>(buf.data(), n, H, d);
+      const std::vector<Index> positions = {0, 5, 6, 22, 3, 3, 17, 1, 9, 10, 11, 12, 21};
+      const Index m = static_cast<Index>(positions.size());
+      for (const Index shift : {Index(0), Index(1)}) {  // floats of misalignment of the destination
+        INFO("d " << d << " head-major " << head_major << " shift " << shift);
+        Eigen::Matrix<float, Eigen::Dynamic, 1> storage(m * d + 16 + shift);
+        storage.setConstant(-1.f);
+        using RowMap = Eigen::Map<kvc::RowMatrix<float>, Eigen::Unaligned>;
+        RowMap out(storage.data() + shift, m, d);
+        for (const Index h : {Index(0), Index(1)}) {
+          kvc::detail::gather_positions<float>(v, h, positions, out, /*streaming=*/true);
+          for (Index r = 0; r < m; ++r)
+            for (Index k = 0; k < d; ++k) CHECK(out(r, k) == v.row(h, positions[std::size_t(r)])[k]);
+          for (Index i = m * d + shift; i < storage.size(); ++i) CHECK(storage[i] == -1.f);  // nothing past the end
+          for (Index i = 0; i < shift; ++i) CHECK(storage[i] == -1.f);
+        }
+      }
+    }
+#if defined(__SSE2__)
+  // The streaming path itself runs where the destination allows it (aligned, whole batches).
+  kvc::RowMatrix<float> dst(1, 128);
+  std::vector<float> src(128);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = float(i) + 0.5f;
+  if (reinterpret_cast<std::uintptr_t>(dst.data()) % 64 == 0) {
+    CHECK(kvc::detail::copy_row_streaming(src.data(), dst.data(), 128));
+    kvc::detail::streaming_done();
+    for (Index k = 0; k < 128; ++k) CHECK(dst(0, k) == src[std::size_t(k)]);
+  }
+  CHECK_FALSE(kvc::detail::copy_row_streaming(src.data(), dst.data() + 1, 16));  // misaligned: declined
+#endif
+}
+
 TEST_CASE("half and bfloat16 loads convert exactly", "[simd]") {
   using A = simd::default_arch;
   constexpr long S = simd::fbatch<A>::size;

@@ -80,12 +80,56 @@ void gather_rows(const TensorView<const T>& v, Index h, Index first, Index count
     out.row(j) = Eigen::Map<const Row>(v.row(h, first + j), v.dim).template cast<Real>();
 }
 
+/// Copies the d floats at src to dst with non-temporal (streaming) stores, which write whole cache
+/// lines to memory without first reading them (the read-for-ownership of an ordinary store) and
+/// without keeping them in cache. Needs dst aligned to the SIMD width and d a multiple of the lane
+/// count (x86 with SSE2 / AVX / AVX-512); returns false, having copied nothing, otherwise. The caller
+/// ends its sequence of streaming copies with streaming_done().
+inline bool copy_row_streaming(const float* src, float* dst, Index d) {
+#if defined(__AVX512F__)
+  constexpr Index L = 16;
+#elif defined(__AVX__)
+  constexpr Index L = 8;
+#elif defined(__SSE2__)
+  constexpr Index L = 4;
+#else
+  constexpr Index L = 0;
+#endif
+  if constexpr (L == 0) {
+    (void)src, (void)dst, (void)d;
+    return false;
+  } else {
+    if (d % L != 0 || reinterpret_cast<std::uintptr_t>(dst) % (L * sizeof(float)) != 0) return false;
+    for (Index k = 0; k < d; k += L) {
+#if defined(__AVX512F__)
+      _mm512_stream_ps(dst + k, _mm512_loadu_ps(src + k));
+#elif defined(__AVX__)
+      _mm256_stream_ps(dst + k, _mm256_loadu_ps(src + k));
+#elif defined(__SSE2__)
+      _mm_stream_ps(dst + k, _mm_loadu_ps(src + k));
+#endif
+    }
+    return true;
+  }
+}
+
+/// Orders the streaming stores before any later store (sfence), so that whoever reads the rows next
+/// (another thread after a join included) sees them.
+inline void streaming_done() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 /// out (positions.size(), dim) <- rows at the given positions of head h, converted to Real.
 /// Rows are requested a few positions ahead (the positions are usually ascending but need not be);
-/// when no conversion is needed and out's rows are contiguous, each row is one memcpy.
+/// when no conversion is needed and out's rows are contiguous, each row is one memcpy, or with
+/// `streaming` one streaming copy (copy_row_streaming, when out's rows are aligned for it): for
+/// rows nobody reads soon after (the pipeline's result when no merger or compensator reads it), it
+/// saves reading the destination from memory first and evicting cached data for it.
 template <class Real, class T, class Positions, class Derived>
 void gather_positions(const TensorView<const T>& v, Index h, const Positions& positions,
-                      Eigen::MatrixBase<Derived>& out) {
+                      Eigen::MatrixBase<Derived>& out, bool streaming = false) {
   using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
   constexpr Index kAhead = 8;
   const Index count = static_cast<Index>(positions.size());
@@ -101,12 +145,16 @@ void gather_positions(const TensorView<const T>& v, Index h, const Positions& po
 #endif
     if constexpr (can_copy) {
       if (out.innerStride() == 1) {
-        std::memcpy(&out.derived().coeffRef(r, 0), v.row(h, pos[r]), static_cast<std::size_t>(v.dim) * sizeof(T));
+        Real* dst = &out.derived().coeffRef(r, 0);
+        if constexpr (std::is_same_v<Real, float>)
+          if (streaming && copy_row_streaming(v.row(h, pos[r]), dst, v.dim)) continue;
+        std::memcpy(dst, v.row(h, pos[r]), static_cast<std::size_t>(v.dim) * sizeof(T));
         continue;
       }
     }
     out.row(r) = Eigen::Map<const Row>(v.row(h, pos[r]), v.dim).template cast<Real>();
   }
+  if (streaming) streaming_done();
 }
 
 /// Writes out.row(i) = the row of head h at positions[i] (ascending), converted to Real, from inside a

@@ -137,12 +137,10 @@ void gather_positions(const TensorView<const T>& v, Index h, const Positions& po
   constexpr bool can_copy = std::is_same_v<T, Real> && bool(Derived::IsRowMajor) &&
                             bool(Derived::Flags & Eigen::DirectAccessBit);
   for (Index r = 0; r < count; ++r) {
-#if defined(__GNUC__) || defined(__clang__)
     if (r + kAhead < count) {
       const T* p = v.row(h, pos[r + kAhead]);
-      for (Index k = 0; k < v.dim; k += Index(64 / sizeof(T))) __builtin_prefetch(p + k, 0, 3);
+      for (Index k = 0; k < v.dim; k += Index(64 / sizeof(T))) simd::prefetch(p + k);
     }
-#endif
     if constexpr (can_copy) {
       if (out.innerStride() == 1) {
         Real* dst = &out.derived().coeffRef(r, 0);
@@ -180,12 +178,10 @@ class KeptRowWriter {
   void copy_before(Index end, Want&& want) {
     const Index m = static_cast<Index>(positions_.size());
     for (; next_ < m && positions_[static_cast<std::size_t>(next_)] < end; ++next_) {
-#if defined(__GNUC__) || defined(__clang__)
       if (next_ + kAhead < m) {
         const T* p = view_.row(head_, positions_[static_cast<std::size_t>(next_ + kAhead)]);
-        for (Index k = 0; k < view_.dim; k += Index(64 / sizeof(T))) __builtin_prefetch(p + k, 0, 3);
+        for (Index k = 0; k < view_.dim; k += Index(64 / sizeof(T))) simd::prefetch(p + k);
       }
-#endif
       if (want(next_)) copy(next_);
     }
   }
@@ -218,11 +214,9 @@ class RowPrefetcher {
   void advance_to(Index front) {
     const Index end = std::min(front + distance_, view_.tokens);
     for (; next_ < end; ++next_) {
-#if defined(__GNUC__) || defined(__clang__)
       const T* p = view_.row(head_, next_);
-      for (Index k = 0; k < view_.dim; k += line_elems_) __builtin_prefetch(p + k, 0, 3);
-      if (view_.dim > 0) __builtin_prefetch(p + view_.dim - 1, 0, 3);  // last line of an unaligned row
-#endif
+      for (Index k = 0; k < view_.dim; k += line_elems_) simd::prefetch(p + k);
+      if (view_.dim > 0) simd::prefetch(p + view_.dim - 1);  // last line of an unaligned row
     }
   }
 

@@ -26,16 +26,6 @@
 
 namespace kvc::simd {
 
-/// Hints the cache to fetch the 64-byte line at `p` (no effect on results). `p` must point into a live
-/// object.
-inline void prefetch(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
-#else
-  (void)p;
-#endif
-}
-
 /// Makes the compiler materialise `b` in a register here (an empty asm with the register as in/out
 /// operand), so a batch loaded once and used several times is not re-read from memory at every use
 /// (GCC otherwise folds the load into each FMA, tripling the loads of the micro-kernels below).

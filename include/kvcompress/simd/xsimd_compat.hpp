@@ -31,11 +31,23 @@ using default_arch = xsimd::default_arch;
 template <class A>
 using fbatch = xsimd::batch<float, A>;
 
-/// Asks for the 64-byte line holding `p` in L2 (x86: prefetcht1). A hint: results never depend on it.
-/// On x86 with GCC or Clang it is an `asm volatile`, not __builtin_prefetch: GCC 12 (-O2, -O3) may
-/// delete a loop whose body is only __builtin_prefetch calls (a loop without side effects), depending
-/// on how the surrounding code is inlined and unrolled. A small reorganisation of window_logits_t's
-/// prefetch loop (eighth round, bench/README.md) left kvc_bench with no prefetcht1 at all, silently.
+/// Software prefetch: asks for the 64-byte line holding `p` in L1 (prefetch: x86 prefetcht0) or in L2
+/// (prefetch_l2: prefetcht1). Hints only, results never depend on them; `p` must point into a live
+/// object. On x86 with GCC or Clang they are `asm volatile`, not __builtin_prefetch: GCC 12 (-O2,
+/// -O3) may delete a loop whose body is only __builtin_prefetch calls (a loop without side effects),
+/// depending on how the surrounding code is inlined and unrolled. A small reorganisation of
+/// window_logits_t's prefetch loop (eighth round, bench/README.md) left kvc_bench with no prefetcht1
+/// at all, silently.
+inline void prefetch(const void* p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
 inline void prefetch_l2(const void* p) {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));

@@ -581,3 +581,55 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
   check(SelKV(selkv_threaded), "SelKV, 2 threads");
   check(SnapKVGRKV{}, "SnapKVGRKV");
 }
+
+TEST_CASE("a result large enough for streaming stores holds exactly the cache rows at the kept positions",
+          "[pipeline][gather]") {
+  // Presets that only drop tokens write a result of >= 16 MiB with non-temporal stores
+  // (Pipeline::kStreamMinBytes, detail::copy_row_streaming); smaller ones with memcpy. Either way every
+  // kept row must be the cache's row, bit for bit, with one or two threads (the stores of a worker
+  // must be visible after the join) and into a reused, poisoned result.
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(415);
+  std::normal_distribution<float> normal;
+  const Index Hkv = 2, Hq = 4, n = 16384, d = 128, W = 8;
+  std::vector<float> K(static_cast<std::size_t>(Hkv * n * d)), V(K.size()), Q(static_cast<std::size_t>(Hq * W * d));
+  for (auto* buf : {&K, &V, &Q})
+    for (auto& x : *buf) x = normal(rng);
+  const LayerView<float> layer{make_head_major<const float>(K.data(), Hkv, n, d),
+                               make_head_major<const float>(V.data(), Hkv, n, d),
+                               make_head_major<const float>(Q.data(), Hq, W, d)};
+  const auto check_rows = [&](const LayerResult<float>& out, Index m) {
+    REQUIRE(out.heads.size() == std::size_t(Hkv));
+    for (Index g = 0; g < Hkv; ++g) {
+      const auto& h = out.heads[std::size_t(g)];
+      REQUIRE(h.size() == m);
+      Index mismatches = 0;
+      for (Index i = 0; i < m; ++i)
+        for (Index k = 0; k < d; ++k) {
+          mismatches += h.keys(i, k) != layer.keys.row(g, h.positions[i])[k];
+          mismatches += h.values(i, k) != layer.values.row(g, h.positions[i])[k];
+        }
+      CHECK(mismatches == 0);
+    }
+  };
+  for (const double rho : {0.6, 0.05}) {  // 2·2·m·d floats: 20 MB (streamed), 1.7 MB (memcpy)
+    const Index m = static_cast<Index>(rho * double(n));
+    INFO("ratio " << rho << ", result bytes " << 2 * Hkv * m * d * 4);
+    for (const Index threads : {1, 2}) {
+      INFO("threads " << threads);
+      SnapKV::Arguments a;
+      a.threads = threads;
+      const SnapKV snap(a);
+      check_rows(snap.run(layer, Budget::ratio(rho)), m);
+      LayerResult<float> out;
+      Workspace<float> ws;
+      snap.run(layer, Budget::ratio(rho), out, ws);
+      for (auto& h : out.heads) {
+        h.keys.setConstant(std::numeric_limits<float>::quiet_NaN());
+        h.values.setConstant(std::numeric_limits<float>::quiet_NaN());
+      }
+      snap.run(layer, Budget::ratio(rho), out, ws);
+      check_rows(out, m);
+    }
+  }
+}

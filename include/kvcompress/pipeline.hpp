@@ -290,8 +290,11 @@ class Pipeline {
   static constexpr bool kScanValuesPerHead = !detail::covers_values<Scorer>::value;
   /// Nothing after the gathers reads the kept rows (the merger drops, the compensator reads no rows):
   /// the gathers then write the result with streaming stores (detail::gather_positions), the keys
-  /// only when no RoPE repositioning follows.
+  /// only when no RoPE repositioning follows, and only for a result of at least kStreamMinBytes (K and
+  /// V of all heads), which would not stay in cache for the caller anyway; a smaller one is written
+  /// with ordinary stores, so that the caller (compact_into) finds it in cache.
   static constexpr bool kStreamGathers = std::is_same_v<Merger, Drop> && std::is_same_v<Compensator, NoCompensation>;
+  static constexpr std::size_t kStreamMinBytes = std::size_t(16) << 20;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
   static constexpr bool kOutputsFromMass = kNeedsMass && detail::needs_window_outputs<Merger>::value;
 
@@ -401,6 +404,9 @@ class Pipeline {
     // 3. Per KV head: route, merge, compensate. The result's previous buffers are recycled.
     result.heads.resize(static_cast<std::size_t>(H));
     result.shared_positions = sel.shared;
+    std::size_t result_bytes = 0;
+    for (const auto& kept : sel.kept) result_bytes += kept.size() * 2 * static_cast<std::size_t>(d) * sizeof(Real);
+    const bool stream = kStreamGathers && result_bytes >= kStreamMinBytes;
     if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
       ws.routing.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
@@ -420,11 +426,10 @@ class Pipeline {
         router().route(ctx, routing, merged.keys);
       } else {
         router().route(ctx, routing);
-        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys,
-                                       kStreamGathers && !args_.reposition.enabled);
+        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys, stream && !args_.reposition.enabled);
       }
       if constexpr (!detail::fills_values<Merger>::value)
-        detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values, kStreamGathers);
+        detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values, stream);
       merger().merge(ctx, routing, merged);
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)

@@ -441,17 +441,22 @@ TEST_CASE("gathering rows with streaming stores writes exactly the rows the plai
         }
       }
     }
-#if defined(__SSE2__)
-  // The streaming path itself runs where the destination allows it (aligned, whole batches).
-  kvc::RowMatrix<float> dst(1, 128);
+#if defined(__x86_64__) || defined(_M_X64) || defined(__SSE__)
+  // The streaming path itself runs where the destination allows it: every width this build has (64-byte
+  // stores for d = 16·k on AVX-512, 32-byte for 8·k on AVX, 16-byte for 4·k), declined otherwise.
+  alignas(64) float dst[128 + 16];
   std::vector<float> src(128);
   for (std::size_t i = 0; i < src.size(); ++i) src[i] = float(i) + 0.5f;
-  if (reinterpret_cast<std::uintptr_t>(dst.data()) % 64 == 0) {
-    CHECK(kvc::detail::copy_row_streaming(src.data(), dst.data(), 128));
+  for (const Index dd : {Index(128), Index(40), Index(24), Index(12), Index(4)}) {
+    INFO("d " << dd);
+    std::fill(std::begin(dst), std::end(dst), -1.f);
+    CHECK(kvc::detail::copy_row_streaming(src.data(), dst, dd));
     kvc::detail::streaming_done();
-    for (Index k = 0; k < 128; ++k) CHECK(dst(0, k) == src[std::size_t(k)]);
+    for (Index k = 0; k < dd; ++k) CHECK(dst[k] == src[std::size_t(k)]);
+    for (Index k = dd; k < Index(128 + 16); ++k) CHECK(dst[k] == -1.f);
   }
-  CHECK_FALSE(kvc::detail::copy_row_streaming(src.data(), dst.data() + 1, 16));  // misaligned: declined
+  CHECK_FALSE(kvc::detail::copy_row_streaming(src.data(), dst, 7));      // not a multiple of 4
+  CHECK_FALSE(kvc::detail::copy_row_streaming(src.data(), dst + 1, 16));  // not aligned for any width
 #endif
 }
 

@@ -16,6 +16,14 @@
 #include <unistd.h>
 #endif
 
+// Non-temporal stores (copy_row_streaming): x86 with SSE, any compiler.
+#if defined(__x86_64__) || defined(_M_X64) || defined(__SSE__) || (defined(_M_IX86_FP) && _M_IX86_FP >= 1)
+#include <immintrin.h>
+#define KVC_DETAIL_STREAM_STORES 1
+#else
+#define KVC_DETAIL_STREAM_STORES 0
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <iterator>
@@ -82,41 +90,40 @@ void gather_rows(const TensorView<const T>& v, Index h, Index first, Index count
 
 /// Copies the d floats at src to dst with non-temporal (streaming) stores, which write whole cache
 /// lines to memory without first reading them (the read-for-ownership of an ordinary store) and
-/// without keeping them in cache. Needs dst aligned to the SIMD width and d a multiple of the lane
-/// count (x86 with SSE2 / AVX / AVX-512); returns false, having copied nothing, otherwise. The caller
-/// ends its sequence of streaming copies with streaming_done().
+/// without keeping them in cache: the widest of 64-byte (AVX-512), 32-byte (AVX) and 16-byte (SSE)
+/// stores for which dst is aligned and d is a multiple of the lane count (x86 only). Returns false,
+/// having copied nothing, when none applies. The caller ends its streaming copies with
+/// streaming_done() before anything else reads those rows.
 inline bool copy_row_streaming(const float* src, float* dst, Index d) {
+#if KVC_DETAIL_STREAM_STORES
+  const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(dst);
 #if defined(__AVX512F__)
-  constexpr Index L = 16;
-#elif defined(__AVX__)
-  constexpr Index L = 8;
-#elif defined(__SSE2__)
-  constexpr Index L = 4;
-#else
-  constexpr Index L = 0;
-#endif
-  if constexpr (L == 0) {
-    (void)src, (void)dst, (void)d;
-    return false;
-  } else {
-    if (d % L != 0 || reinterpret_cast<std::uintptr_t>(dst) % (L * sizeof(float)) != 0) return false;
-    for (Index k = 0; k < d; k += L) {
-#if defined(__AVX512F__)
-      _mm512_stream_ps(dst + k, _mm512_loadu_ps(src + k));
-#elif defined(__AVX__)
-      _mm256_stream_ps(dst + k, _mm256_loadu_ps(src + k));
-#elif defined(__SSE2__)
-      _mm_stream_ps(dst + k, _mm_loadu_ps(src + k));
-#endif
-    }
+  if (d % 16 == 0 && at % 64 == 0) {
+    for (Index k = 0; k < d; k += 16) _mm512_stream_ps(dst + k, _mm512_loadu_ps(src + k));
     return true;
   }
+#endif
+#if defined(__AVX__)
+  if (d % 8 == 0 && at % 32 == 0) {
+    for (Index k = 0; k < d; k += 8) _mm256_stream_ps(dst + k, _mm256_loadu_ps(src + k));
+    return true;
+  }
+#endif
+  if (d % 4 == 0 && at % 16 == 0) {
+    for (Index k = 0; k < d; k += 4) _mm_stream_ps(dst + k, _mm_loadu_ps(src + k));
+    return true;
+  }
+  return false;
+#else
+  (void)src, (void)dst, (void)d;
+  return false;
+#endif
 }
 
 /// Orders the streaming stores before any later store (sfence), so that whoever reads the rows next
 /// (another thread after a join included) sees them.
 inline void streaming_done() {
-#if defined(__SSE2__)
+#if KVC_DETAIL_STREAM_STORES
   _mm_sfence();
 #endif
 }
@@ -136,6 +143,7 @@ void gather_positions(const TensorView<const T>& v, Index h, const Positions& po
   const auto pos = std::begin(positions);  // random access
   constexpr bool can_copy = std::is_same_v<T, Real> && bool(Derived::IsRowMajor) &&
                             bool(Derived::Flags & Eigen::DirectAccessBit);
+  bool streamed = false;
   for (Index r = 0; r < count; ++r) {
     if (r + kAhead < count) {
       const T* p = v.row(h, pos[r + kAhead]);
@@ -145,14 +153,17 @@ void gather_positions(const TensorView<const T>& v, Index h, const Positions& po
       if (out.innerStride() == 1) {
         Real* dst = &out.derived().coeffRef(r, 0);
         if constexpr (std::is_same_v<Real, float>)
-          if (streaming && copy_row_streaming(v.row(h, pos[r]), dst, v.dim)) continue;
+          if (streaming && copy_row_streaming(v.row(h, pos[r]), dst, v.dim)) {
+            streamed = true;
+            continue;
+          }
         std::memcpy(dst, v.row(h, pos[r]), static_cast<std::size_t>(v.dim) * sizeof(T));
         continue;
       }
     }
     out.row(r) = Eigen::Map<const Row>(v.row(h, pos[r]), v.dim).template cast<Real>();
   }
-  if (streaming) streaming_done();
+  if (streamed) streaming_done();
 }
 
 /// Writes out.row(i) = the row of head h at positions[i] (ascending), converted to Real, from inside a

@@ -18,7 +18,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
 #include <immintrin.h>
 #endif
 
@@ -37,10 +37,21 @@ using fbatch = xsimd::batch<float, A>;
 /// -O3) may delete a loop whose body is only __builtin_prefetch calls (a loop without side effects),
 /// depending on how the surrounding code is inlined and unrolled. A small reorganisation of
 /// window_logits_t's prefetch loop (eighth round, bench/README.md) left kvc_bench with no prefetcht1
-/// at all, silently.
+/// at all, silently. The asm reads one byte at `p` as far as the compiler knows, so a pending store
+/// the compiler cannot prove unrelated is done before it: keep them out of loops whose results live
+/// in memory. MSVC: _mm_prefetch on x86; elsewhere __builtin_prefetch (whose loops may still vanish).
+#if (defined(__GNUC__) || defined(__clang__)) && \
+    (defined(__x86_64__) || (defined(__i386__) && defined(__SSE__)))
+#define KVC_DETAIL_PREFETCH_ASM 1
+#else
+#define KVC_DETAIL_PREFETCH_ASM 0
+#endif
+
 inline void prefetch(const void* p) {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#if KVC_DETAIL_PREFETCH_ASM
   asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 #elif defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(p, 0, 3);
 #else
@@ -49,8 +60,10 @@ inline void prefetch(const void* p) {
 }
 
 inline void prefetch_l2(const void* p) {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#if KVC_DETAIL_PREFETCH_ASM
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
 #elif defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(p, 0, 2);
 #else

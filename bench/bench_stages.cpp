@@ -69,6 +69,71 @@ void BM_WindowLogits(benchmark::State& state) {
   state.counters["frac_peak"] = layer_gemm_flops(layer) / per * 1e-9 / peak_gflops();
 }
 
+/// Can a pass over memory hide under the product on this machine? (The premise of a pipeline that
+/// costs little more than its product: SnapKV's NaN/Inf scan of V, SelKV's value norms, the kept-row
+/// gathers are all streams of that kind.) Three passes per head, each over n keys in tiles of
+/// kSoftmaxTile, timed separately in every iteration:
+///   product:        window_logits_t on one L2-resident tile of keys, n / tile times (no DRAM traffic);
+///   product+stream: the same, its `next` argument pointing at the head's V rows of the following tile,
+///                   so the kernel's panel passes pull the whole of V into L2 alongside the product, spread
+///                   over the passes as stage 1 does for the next keys;
+///   stream:         a SIMD sum over the same V rows (the bytes alone).
+/// hidden = (product + stream − product+stream) / stream: 1 = the traffic costs nothing beside the
+/// product, 0 = the two add up. Iteration time: product+stream. frac_peak_l2: the product's fraction of
+/// the FMA peak on L2-resident keys.
+void BM_ProductStreamOverlap(benchmark::State& state) {
+  using A = simd::default_arch;
+  using B = simd::fbatch<A>;
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const Index d = layer.head_dim(), R = layer.group_size() * layer.window(), Rp = simd::padded_queries<A>(R);
+  constexpr Index tile = kvc::detail::kSoftmaxTile;
+  if (layer.values.token_stride != layer.keys.token_stride) {  // `next` shares the keys' row stride
+    state.SkipWithError("K and V token strides differ");
+    return;
+  }
+  std::vector<float> packed(static_cast<std::size_t>(Rp * d)), x(static_cast<std::size_t>(tile * Rp));
+  double t_product = 0, t_both = 0, t_stream = 0;
+  auto products = [&](Index g, bool stream) {
+    const auto q = kvc::gather_group_queries<float>(layer, g);
+    simd::pack_queries<A>(q.data(), d, R, d, 1.0f, packed.data());
+    const float* keys = layer.keys.row(g, 0);  // rows 0..tile: the same tile every time, in L2
+    for (Index j0 = 0; j0 < n; j0 += tile) {
+      const Index cnt = std::min(tile, n - j0), next = std::min(tile, n - j0 - cnt);
+      simd::window_logits_t<A>(keys, layer.keys.token_stride, cnt, d, packed.data(), Rp, x.data(), Rp,
+                               stream && next > 0 ? layer.values.row(g, j0 + cnt) : nullptr, stream ? next : 0);
+    }
+    benchmark::DoNotOptimize(x.data());
+  };
+  for (auto _ : state) {
+    double both = 0;
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      double t0 = thread_seconds();
+      products(g, false);
+      double t1 = thread_seconds();
+      products(g, true);
+      double t2 = thread_seconds();
+      B acc(0.0f);
+      for (Index j = 0; j < n; ++j)
+        for (Index k = 0; k < d; k += Index(B::size)) acc += B::load_unaligned(layer.values.row(g, j) + k);
+      benchmark::DoNotOptimize(simd::reduce_add<A>(acc));
+      const double t3 = thread_seconds();
+      t_product += t1 - t0;
+      t_both += t2 - t1;
+      t_stream += t3 - t2;
+      both += t2 - t1;
+    }
+    state.SetIterationTime(both);
+  }
+  const double it = double(state.iterations());
+  set_layer_counters(state, n, t_both / it);
+  state.counters["product_ms"] = t_product / it * 1e3;
+  state.counters["product_stream_ms"] = t_both / it * 1e3;
+  state.counters["stream_ms"] = t_stream / it * 1e3;
+  state.counters["hidden"] = (t_product + t_stream - t_both) / t_stream;
+  state.counters["frac_peak_l2"] = layer_gemm_flops(layer) / (t_product / it) * 1e-9 / peak_gflops();
+}
+
 /// Full probabilities (what GRKV and the co-attention router read), all heads.
 void BM_WindowProbabilities(benchmark::State& state) {
   const Index n = state.range(0);
@@ -187,6 +252,7 @@ BENCHMARK(BM_PeakFma)->UseManualTime();
 BENCHMARK(BM_Gemm)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowMass)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowLogits)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_ProductStreamOverlap)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowProbabilities)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::ValueWeighted)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::KeyNorm)->Apply(kvc::bench::layer_sizes);

@@ -8,6 +8,8 @@
 #include "support/tolerances.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -128,6 +130,50 @@ TEST_CASE("TopK matches the reference selection over sizes, budgets, pooling and
     }
   }
   CHECK(cases > 1000);
+}
+
+TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-bit key path)", "[selector][long]") {
+  // Float scores take TopK's 64-bit-key path (a histogram of the keys' top bits, nth_element only
+  // inside the bin holding the k-th best); double scores the (score, position) pairs. Long caches
+  // with many exact ties (a few distinct values), negative scores, ±0 (equal, so a tie), ±infinity,
+  // a tie that straddles the cut, and budgets at the edges; per head and shared (whose proposal mask
+  // restricts the candidates).
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(409);
+  std::uniform_int_distribution<int> pick(0, 9);
+  std::uniform_real_distribution<double> cont(-1.0, 1.0);
+  long cases = 0;
+  for (long n : {3000L, 40000L}) {
+    const long H = 2;
+    Eigen::MatrixXd few(H, n), wide(H, n);
+    for (long g = 0; g < H; ++g)
+      for (long j = 0; j < n; ++j) {
+        const int v = pick(rng);
+        // multiples of 105 = 3·5·7: pooled sums, their division by any kernel and the shared mean of
+        // two heads order the same in float and double (as in the test above)
+        few(g, j) = 105.0 * (v == 0 ? -0.0 : v == 1 ? 0.0 : v == 2 ? -3.0 : v == 9 ? 7.0 : double(v));
+        wide(g, j) = double(float(cont(rng) * std::pow(10.0, pick(rng) - 5)));
+      }
+    few(0, n / 2) = std::numeric_limits<double>::infinity();
+    few(1, n / 3) = -std::numeric_limits<double>::infinity();
+    wide(0, 7) = -0.0;
+    wide(0, 8) = 0.0;
+    for (const Eigen::MatrixXd* scores : {&few, &wide})
+      for (long m : {1L, 2L, n / 10, n / 4, n / 2, 4 * n / 5, n - 1})
+        for (bool shared : {false, true})
+          for (const Config& c : {Config{0, 0, 0, Pooling::none, shared}, Config{4, 32, 5, Pooling::average, shared},
+                                  Config{1, 3, 3, Pooling::max, shared}}) {
+            // wide values: only where no arithmetic touches the scores (float and double may round a
+            // pooled average or a mean differently)
+            if (scores == &wide && (shared || c.pooling == Pooling::average)) continue;
+            INFO(describe(c) << " n " << n << " m " << m << (scores == &few ? " few values" : " wide values"));
+            std::vector<long> budgets(static_cast<std::size_t>(H), m);
+            if (!shared) budgets[1] = std::max(1L, m / 3);
+            check_selection<float>(*scores, budgets, c);
+            ++cases;
+          }
+  }
+  CHECK(cases == 2 * 7 * (6 + 2));
 }
 
 TEST_CASE("forced tokens never exceed the budget", "[selector][budget]") {

@@ -75,9 +75,12 @@ void BM_WindowLogits(benchmark::State& state) {
 /// kSoftmaxTile, timed separately in every iteration:
 ///   product:        window_logits_t on one L2-resident tile of keys, n / tile times (no DRAM traffic);
 ///   product+stream: the same, its `next` argument pointing at the head's V rows of the following tile,
-///                   so the kernel's panel passes pull the whole of V into L2 alongside the product, spread
+///                   so the kernel's panel passes pull nearly all of V into L2 alongside the product
+///                   (not the first tile, nor the rows of a tile's last partial block of keys), spread
 ///                   over the passes as stage 1 does for the next keys;
-///   stream:         a SIMD sum over the same V rows (the bytes alone).
+///   stream:         a SIMD sum over the V rows of head g + Hkv/2 (the bytes alone; another head's, so
+///                   that it does not find in cache what product+stream has just read: each head's V
+///                   is read by both passes once per iteration, half an iteration apart).
 /// hidden = (product + stream − product+stream) / stream: 1 = the traffic costs nothing beside the
 /// product, 0 = the two add up. Iteration time: product+stream. frac_peak_l2: the product's fraction of
 /// the FMA peak on L2-resident keys.
@@ -113,10 +116,16 @@ void BM_ProductStreamOverlap(benchmark::State& state) {
       double t1 = thread_seconds();
       products(g, true);
       double t2 = thread_seconds();
+      const Index other = (g + layer.kv_heads() / 2) % layer.kv_heads();
       B acc(0.0f);
-      for (Index j = 0; j < n; ++j)
-        for (Index k = 0; k < d; k += Index(B::size)) acc += B::load_unaligned(layer.values.row(g, j) + k);
-      benchmark::DoNotOptimize(simd::reduce_add<A>(acc));
+      float tail = 0.0f;
+      for (Index j = 0; j < n; ++j) {
+        const float* v = layer.values.row(other, j);
+        Index k = 0;
+        for (; k + Index(B::size) <= d; k += Index(B::size)) acc += B::load_unaligned(v + k);
+        for (; k < d; ++k) tail += v[k];
+      }
+      benchmark::DoNotOptimize(simd::reduce_add<A>(acc) + tail);
       const double t3 = thread_seconds();
       t_product += t1 - t0;
       t_both += t2 - t1;

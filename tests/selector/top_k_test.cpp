@@ -176,6 +176,27 @@ TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-
   CHECK(cases == 2 * 7 * (6 + 2));
 }
 
+TEST_CASE("NaN scores (check_finite off) rank below every number, in float and double", "[selector][nan]") {
+  // Only reachable with check_finite = false; the selection must stay defined (nth_element needs a
+  // strict weak order) and the same in both arithmetic types.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Eigen::MatrixXd scores(1, 12);
+  scores << 1, nan, 2, -5, nan, 3, -std::numeric_limits<double>::infinity(), 0, nan, 4, -0.0, 2;
+  for (long m : {3L, 6L, 9L, 10L, 11L}) {
+    INFO("m " << m);
+    Selection<float> sf;
+    Selection<double> sd;
+    make_selector({0, 0, 0, Pooling::none, false}).select(to_lib_scores<float>(scores), {m}, sf);
+    make_selector({0, 0, 0, Pooling::none, false}).select(to_lib_scores<double>(scores), {m}, sd);
+    CHECK(sf.kept[0] == sd.kept[0]);
+    // the numbers first (best first: 4, 3, 2, 2, 1, 0 / -0 by position, -5, -inf), then NaNs by position
+    const std::vector<Index> order = {9, 5, 2, 11, 0, 7, 10, 3, 6, 1, 4, 8};
+    std::vector<Index> want(order.begin(), order.begin() + m);
+    std::sort(want.begin(), want.end());
+    CHECK(sf.kept[0] == want);
+  }
+}
+
 TEST_CASE("forced tokens never exceed the budget", "[selector][budget]") {
   const long n = 50;
   Eigen::MatrixXd scores = Eigen::MatrixXd::Zero(1, n);

@@ -155,8 +155,9 @@ struct TopK {
   }
 
  private:
-  /// Top (m − forced) candidates in [sinks, n − recent) by score (ties: lower position), restricted
-  /// to `allowed` positions when given. Unsorted. The order is strict and total, so the set is unique;
+  /// Top (m − forced) candidates in [sinks, n − recent) by score (ties: lower position; a NaN score
+  /// ranks below every number), restricted to `allowed` positions when given. Unsorted. The order is
+  /// strict and total, so the set is unique;
   /// it is found by nth_element on (score, position) pairs (contiguous keys), or for float scores by
   /// top_candidates_float (the same set).
   template <class Real>
@@ -165,13 +166,17 @@ struct TopK {
     std::vector<Index> out;
     if (m >= n) return out;
     if constexpr (std::is_same_v<Real, float>)
-      if (n <= Index(0xffffffff)) return top_candidates_float(s, n, m, f, allowed);
+      if (static_cast<std::uint64_t>(n) <= 0xffffffffu) return top_candidates_float(s, n, m, f, allowed);
     std::vector<std::pair<Real, Index>> cand;
     cand.reserve(static_cast<std::size_t>(std::max<Index>(0, n - f.sinks - f.recent)));
     for (Index j = f.sinks; j < n - f.recent; ++j)
       if (!allowed || (*allowed)[static_cast<std::size_t>(j)]) cand.emplace_back(s[j], j);
     const Index k = std::min<Index>(m - f.sinks - f.recent, static_cast<Index>(cand.size()));
+    // A strict weak order even with NaN scores (only possible with check_finite = false): NaN ranks
+    // below every number, as in rank_key; NaNs among themselves by position.
     auto better = [](const std::pair<Real, Index>& a, const std::pair<Real, Index>& b) {
+      const bool a_nan = a.first != a.first, b_nan = b.first != b.first;
+      if (a_nan || b_nan) return a_nan == b_nan ? a.second < b.second : b_nan;
       return a.first > b.first || (a.first == b.first && a.second < b.second);
     };
     if (k < static_cast<Index>(cand.size())) std::nth_element(cand.begin(), cand.begin() + k, cand.end(), better);
@@ -183,11 +188,14 @@ struct TopK {
   /// kept (ascending) <- forced sinks and recent tokens + the top candidates; evicted (ascending) <- the
   /// rest. `flag` is scratch of n entries.
   /// Order key of a float score: a smaller key is a better score (the IEEE bits mapped to an unsigned
-  /// order, then inverted); −0 is made +0 first, so the two compare equal as the floats do.
+  /// order, then inverted). −0 becomes +0 first, so the two compare equal as the floats do (on the
+  /// bits, which -ffast-math cannot fold away); every NaN (only possible with check_finite = false)
+  /// gets the largest key, so NaN scores rank below every number.
   static std::uint32_t rank_key(float x) {
-    x += 0.0f;
     std::uint32_t b;
     std::memcpy(&b, &x, sizeof b);
+    if ((b << 1) == 0) b = 0;                                                   // ±0
+    if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x007fffffu) != 0) return 0xffffffffu;  // NaN
     return ~((b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u));
   }
 

@@ -5,6 +5,7 @@
 #include "support/random.hpp"
 #include "support/test_utils.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -248,4 +249,56 @@ TEST_CASE("compact_into rejects destinations that do not fit and writes nothing"
   CHECK_THROWS_AS(compact_into(r, make_head_major(k3.data(), 3, 10, 8), make_head_major(k3.data(), 3, 10, 8)), kvc::error);
   for (float x : k) CHECK(x == -7.f);
   for (float x : k3) CHECK(x == -7.f);
+}
+
+namespace {
+
+/// Runs preset P with check_finite = false on `layer` and checks the result's shapes (what a caller
+/// indexes by); the values are unspecified for non-finite input.
+template <class P>
+void run_unchecked_input(const LayerView<float>& layer, Index m, const char* name) {
+  INFO(name);
+  typename P::Arguments args;
+  args.check_finite = false;
+  LayerResult<float> r;
+  CHECK_NOTHROW(r = P(args).run(layer, Budget::tokens(m)));
+  REQUIRE(r.heads.size() == static_cast<std::size_t>(layer.kv_heads()));
+  for (const auto& h : r.heads) {
+    CHECK(h.size() == m);
+    CHECK(h.keys.rows() == m);
+    CHECK(h.values.rows() == m);
+    CHECK(h.bias.size() == m);
+    CHECK(std::is_sorted(h.positions.begin(), h.positions.end()));
+    CHECK((h.positions.empty() || (h.positions.front() >= 0 && h.positions.back() < layer.tokens())));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("check_finite = false: non-finite input gives a result of the right shape, never a crash", "[core][errors]") {
+  // README: with the checks off, NaN/Inf input gives unspecified values but a well-formed result
+  // (the selection's order stays strict with NaN scores; the sanitizer build checks the memory).
+  INFO("seed " << kvc::test::test_seed());
+  Fixture f;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (int variant = 0; variant < 4; ++variant) {
+    kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
+    if (variant == 0) b.keys.view.row(0, 5)[2] = nan;          // one key
+    if (variant == 1) b.values.view.row(1, 3)[1] = -inf;       // one value
+    if (variant == 2) b.queries.view.row(1, 2)[0] = inf;       // one window query
+    if (variant == 3) std::fill(b.values.data.begin(), b.values.data.end(), nan);  // every value
+    INFO("variant " << variant);
+    const LayerView<float> layer = b.view();
+    for (Index m : {Index(1), Index(10), Index(39)}) {
+      INFO("m " << m);
+      run_unchecked_input<StreamingLLM>(layer, m, "StreamingLLM");
+      run_unchecked_input<SnapKV>(layer, m, "SnapKV");
+      run_unchecked_input<SelKVEvict>(layer, m, "SelKVEvict");
+      run_unchecked_input<SelKV>(layer, m, "SelKV");
+      run_unchecked_input<SelKVMergeAll>(layer, m, "SelKVMergeAll");
+      run_unchecked_input<KNorm>(layer, m, "KNorm");
+      run_unchecked_input<SnapKVGRKV>(layer, m, "SnapKVGRKV");
+      run_unchecked_input<SelKVEvictGRKV>(layer, m, "SelKVEvictGRKV");
+    }
+  }
 }

@@ -157,9 +157,8 @@ struct TopK {
  private:
   /// Top (m − forced) candidates in [sinks, n − recent) by score (ties: lower position; a NaN score
   /// ranks below every number), restricted to `allowed` positions when given. Unsorted. The order is
-  /// strict and total, so the set is unique;
-  /// it is found by nth_element on (score, position) pairs (contiguous keys), or for float scores by
-  /// top_candidates_float (the same set).
+  /// strict and total, so the set is unique; it is found by nth_element on (score, position) pairs
+  /// (contiguous keys), or for float scores by top_candidates_float (the same set).
   template <class Real>
   static std::vector<Index> top_candidates(const Vector<Real>& s, Index n, Index m, ForcedCounts f,
                                            const std::vector<char>* allowed) {
@@ -185,8 +184,6 @@ struct TopK {
     return out;
   }
 
-  /// kept (ascending) <- forced sinks and recent tokens + the top candidates; evicted (ascending) <- the
-  /// rest. `flag` is scratch of n entries.
   /// Order key of a float score: a smaller key is a better score (the IEEE bits mapped to an unsigned
   /// order, then inverted). −0 becomes +0 first, so the two compare equal as the floats do (on the
   /// bits, which -ffast-math cannot fold away); every NaN (only possible with check_finite = false)
@@ -245,6 +242,8 @@ struct TopK {
     return out;
   }
 
+  /// kept (ascending) <- forced sinks and recent tokens + the top candidates; evicted (ascending) <- the
+  /// rest. `flag` is scratch of n entries.
   template <class Real>
   static void keep_one(const Vector<Real>& s, Index n, Index m, ForcedCounts f, const std::vector<char>* allowed,
                        std::vector<char>& flag, std::vector<Index>& kept, std::vector<Index>& evicted) {

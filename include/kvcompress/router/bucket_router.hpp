@@ -31,81 +31,57 @@ inline const char* to_string(RouteStatistic s) {
 
 namespace detail {
 
-/// out[c] = <rows[c], y> for `count` rows of element type T (pointers into the cache) and one row y (d)
-/// of type T, in float. Rows go in groups of fbatch<A>::size (8 on AVX2), one accumulator each (eight
-/// independent FMA chains), y loaded once per batch for the group; simd::haddp reduces the group's
-/// accumulators into one batch (lane c holds row c's sum, computed from row c alone, in a fixed
-/// order), then the serial tail. A short last group is padded by repeating its last row. So every row
-/// gets the same arithmetic whatever its place among the rows — equal rows give bit-equal dots, which
-/// the router's tie rule depends on. The loops over the group are unrolled by pragma, so the
-/// accumulators stay in registers at -O2 as well.
-template <class A, class T>
-inline void dots_against(const T* const* rows, Index count, const T* y, Index d, float* out) {
+/// out[t][c] = <rows[c], y[t]> for `count` rows of element type T (pointers into the cache) and NY
+/// rows y[t] (d) of type T, in float. Rows go in groups of G = fbatch<A>::size / NY (16 / NY on
+/// AVX-512), one accumulator per (row, y) pair: S = G·NY independent FMA chains, each row's batch
+/// loaded once for all y; simd::haddp reduces the accumulators into one batch (lane t·G + c holds
+/// the sum of row c against y[t], computed from that pair alone, in the same order for every lane),
+/// then the serial tail. A short last group is padded by repeating its last row. So every (row, y)
+/// pair gets the same arithmetic whatever its place among the rows and whatever NY — equal rows give
+/// bit-equal dots, which the router's tie rule depends on, and NY = 2 gives NY = 1's values. NY = 2
+/// serves two evicted tokens of a bucket at once: with AVX-512 and the default 32-token bucket at
+/// ratio 0.25 a bucket has about 8 candidates, which NY = 1 pads to 16 lanes for every token. The
+/// loops over the group are unrolled by pragma, so the accumulators stay in registers at -O2 as well.
+template <class A, int NY, class T>
+inline void dots_against_n(const T* const* rows, Index count, const T* const* y, Index d, float* const* out) {
   using B = simd::fbatch<A>;
-  constexpr Index S = B::size;
+  constexpr Index S = B::size, G = S / NY;
+  static_assert(NY >= 1 && S % NY == 0, "NY must divide the lane count");
   const Index body = d - d % S;
-  for (Index c0 = 0; c0 < count; c0 += S) {
-    const T* x[S];
+  for (Index c0 = 0; c0 < count; c0 += G) {
+    const T* x[G];
 #pragma GCC unroll 16
-    for (Index r = 0; r < S; ++r) x[r] = rows[std::min(c0 + r, count - 1)];
+    for (Index r = 0; r < G; ++r) x[r] = rows[std::min(c0 + r, count - 1)];
     B acc[S];
 #pragma GCC unroll 16
     for (Index r = 0; r < S; ++r) acc[r] = B(0.0f);
     for (Index k = 0; k < body; k += S) {
-      const B yv = simd::load<A>(y + k);
+      B yv[NY];
 #pragma GCC unroll 16
-      for (Index r = 0; r < S; ++r) acc[r] = xsimd::fma(simd::load<A>(x[r] + k), yv, acc[r]);
+      for (int t = 0; t < NY; ++t) yv[t] = simd::load<A>(y[t] + k);
+#pragma GCC unroll 16
+      for (Index r = 0; r < G; ++r) {
+        const B xr = simd::load<A>(x[r] + k);
+#pragma GCC unroll 16
+        for (int t = 0; t < NY; ++t) acc[t * G + r] = xsimd::fma(xr, yv[t], acc[t * G + r]);
+      }
     }
     alignas(64) float sums[S];
     simd::haddp<A>(acc).store_aligned(sums);
-    const Index live = std::min(S, count - c0);
-    for (Index r = 0; r < live; ++r) {
-      float s = sums[r];
-      for (Index k = body; k < d; ++k) s += simd::to_float(x[r][k]) * simd::to_float(y[k]);
-      out[c0 + r] = s;
-    }
+    const Index live = std::min(G, count - c0);
+    for (int t = 0; t < NY; ++t)
+      for (Index r = 0; r < live; ++r) {
+        float s = sums[t * G + r];
+        for (Index k = body; k < d; ++k) s += simd::to_float(x[r][k]) * simd::to_float(y[t][k]);
+        out[t][c0 + r] = s;
+      }
   }
 }
 
-/// dots_against for two rows y0, y1 at once, against the same `count` rows, 1 <= count <= S / 2
-/// (S = fbatch<A>::size): out0[c] = <rows[c], y0>, out1[c] = <rows[c], y1>. Accumulator c < S/2 holds
-/// (rows[c], y0) and S/2 + c holds (rows[c], y1), each with exactly dots_against's arithmetic (one
-/// FMA chain over whole batches, simd::haddp, the serial tail), so every value is bit-equal to what
-/// dots_against gives for that row and y. Each row's batch is loaded once for both y, and no lane is
-/// spent on padding when count <= S/2: with AVX-512 (S = 16) and the default 32-token bucket at ratio
-/// 0.25 a bucket has about 8 candidates, which dots_against pads to 16 for every evicted token.
+/// out[c] = <rows[c], y> (dots_against_n with one y).
 template <class A, class T>
-inline void dots_against2(const T* const* rows, Index count, const T* y0, const T* y1, Index d, float* out0,
-                          float* out1) {
-  using B = simd::fbatch<A>;
-  constexpr Index S = B::size, H = S / 2;
-  const Index body = d - d % S;
-  const T* x[H];
-#pragma GCC unroll 16
-  for (Index r = 0; r < H; ++r) x[r] = rows[std::min(r, count - 1)];
-  B acc[S];
-#pragma GCC unroll 16
-  for (Index r = 0; r < S; ++r) acc[r] = B(0.0f);
-  for (Index k = 0; k < body; k += S) {
-    const B v0 = simd::load<A>(y0 + k), v1 = simd::load<A>(y1 + k);
-#pragma GCC unroll 16
-    for (Index r = 0; r < H; ++r) {
-      const B xr = simd::load<A>(x[r] + k);
-      acc[r] = xsimd::fma(xr, v0, acc[r]);
-      acc[H + r] = xsimd::fma(xr, v1, acc[H + r]);
-    }
-  }
-  alignas(64) float sums[S];
-  simd::haddp<A>(acc).store_aligned(sums);
-  for (Index r = 0; r < count; ++r) {
-    float s0 = sums[r], s1 = sums[H + r];
-    for (Index k = body; k < d; ++k) {
-      s0 += simd::to_float(x[r][k]) * simd::to_float(y0[k]);
-      s1 += simd::to_float(x[r][k]) * simd::to_float(y1[k]);
-    }
-    out0[r] = s0;
-    out1[r] = s1;
-  }
+inline void dots_against(const T* const* rows, Index count, const T* y, Index d, float* out) {
+  dots_against_n<A, 1>(rows, count, &y, d, &out);
 }
 
 /// <x, y> of two rows of element type T in Real (the serial loop used for double arithmetic).
@@ -265,13 +241,14 @@ struct BucketRouter {
           Real best_stat;
           if constexpr (std::is_same_v<Real, float>) {
             // Two evicted tokens of the same bucket at once when half a batch holds the candidates
-            // (dots_against2; bit-equal dots, so the same routing).
+            // (dots_against_n<2>; bit-equal dots, so the same routing).
             constexpr Index half = Index(simd::fbatch<simd::default_arch>::size / 2);
             if (paired == e) {
               dots.swap(dots_next);
             } else if (c <= half && e + 1 < evicted.size() && (B == 0 || evicted[e + 1] < bucket_start + B)) {
-              detail::dots_against2<simd::default_arch>(cand_key.data(), c, kj, ctx.key(evicted[e + 1]), d,
-                                                        dots.data(), dots_next.data());
+              const T* const ys[2] = {kj, ctx.key(evicted[e + 1])};
+              float* const outs[2] = {dots.data(), dots_next.data()};
+              detail::dots_against_n<simd::default_arch, 2>(cand_key.data(), c, ys, d, outs);
               paired = e + 1;
             } else {
               detail::dots_against<simd::default_arch>(cand_key.data(), c, kj, d, dots.data());

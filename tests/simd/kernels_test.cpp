@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -135,6 +136,38 @@ void check_exp() {
   CHECK(simd::exp<A>(B(0.0f)).get(0) == 1.0f);
 }
 
+template <class A>
+void check_exp2() {
+  using B = simd::fbatch<A>;
+  double worst = 0;
+  for (float v = -126.0f; v <= 127.0f; v += 0.00731f) {
+    const double want = std::exp2(double(v));
+    worst = std::max(worst, std::abs(double(simd::exp2<A>(B(v)).get(0)) - want) / want);
+  }
+  INFO("arch " << A::name() << " worst relative error of exp2 " << worst);
+  CHECK(worst <= 2.0 * 0x1p-24);
+  for (int k = -126; k <= 127; ++k) CHECK(simd::exp2<A>(B(float(k))).get(0) == std::ldexp(1.0f, k));
+  CHECK(simd::exp2<A>(B(-126.6f)).get(0) == 0.0f);  // rounds to n = -127
+  CHECK(simd::exp2<A>(B(-127.0f)).get(0) == 0.0f);
+  CHECK(simd::exp2<A>(B(-1000.0f)).get(0) == 0.0f);
+  CHECK(simd::exp2<A>(B(-std::numeric_limits<float>::infinity())).get(0) == 0.0f);
+  CHECK(simd::exp2<A>(B(-126.4f)).get(0) > 0.0f);  // n = -126: a denormal, not 0
+  CHECK(simd::exp2<A>(B(1000.0f)).get(0) == std::ldexp(1.0f, 127));
+  // e^x through it: rounding x·log2 e, and log2 e itself, add up to 1.5·|x|·2^-24 to the relative error
+  // (the order of the error the logits already carry from their product).
+  worst = 0;
+  for (float v = -87.0f; v <= 88.0f; v += 0.01237f) {
+    const double want = std::exp(double(v));
+    const double rel = std::abs(double(simd::exp_via2<A>(B(v)).get(0)) - want) / want;
+    worst = std::max(worst, rel / (2.0 + 1.5 * std::abs(double(v))));
+  }
+  INFO("worst relative error of exp_via2 over (2 + 1.5·|x|) ulp " << worst);
+  CHECK(worst <= 0x1p-24);
+  CHECK(simd::exp_via2<A>(B(0.0f)).get(0) == 1.0f);
+  CHECK(simd::exp_via2<A>(B(-100.0f)).get(0) == 0.0f);
+}
+
+/// The causal tile epilogue over several tiles reproduces softmax rows computed in double.
 /// The causal tile epilogue over several tiles reproduces softmax rows computed in double.
 template <class A>
 void check_softmax_tile(std::mt19937_64& rng) {
@@ -353,6 +386,7 @@ void check_all_types(std::mt19937_64& rng) {
   check_row_kernels<A, Eigen::bfloat16>(rng);
   check_softmax_kernels<A>(rng);
   check_exp<A>();
+  check_exp2<A>();
   check_softmax_tile<A>(rng);
   check_multi_row<A, float>(rng);
   check_multi_row<A, Eigen::half>(rng);
@@ -372,6 +406,27 @@ TEST_CASE("simd kernels match double loops on SSE2 (narrower batches)", "[simd]"
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(502);
   check_all_types<xsimd::sse2>(rng);
+}
+#endif
+
+#if XSIMD_WITH_SSE2
+TEST_CASE("exp2 gives the same bits on the default architecture as on SSE2", "[simd]") {
+  // On AVX-512 simd::exp2 applies 2^n by vscalefps, elsewhere by multiplying with the power of two built
+  // in the exponent bits: both are the one correctly rounded product, denormal results included.
+  using D = simd::fbatch<simd::default_arch>;
+  using S = simd::fbatch<xsimd::sse2>;
+  auto rng = kvc::test::make_rng(503);
+  std::uniform_real_distribution<float> wide(-140.0f, 130.0f), low(-127.5f, -124.0f), unit(-1.0f, 1.0f);
+  long differ = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float v = i % 3 == 0 ? wide(rng) : i % 3 == 1 ? low(rng) : unit(rng);
+    const float a = simd::exp2<simd::default_arch>(D(v)).get(0), b = simd::exp2<xsimd::sse2>(S(v)).get(0);
+    if (std::memcmp(&a, &b, sizeof a) != 0) {
+      ++differ;
+      UNSCOPED_INFO("2^" << v << ": " << a << " against " << b);
+    }
+  }
+  CHECK(differ == 0);
 }
 #endif
 

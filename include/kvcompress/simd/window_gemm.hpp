@@ -256,7 +256,7 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
     const B row_pos(static_cast<float>(rel0 + j));
 #pragma GCC unroll 4
     for (int u = 0; u < CG; ++u) {
-      B e = simd::exp<A>(B::load_unaligned(p + u * L) - finite_new[u]);
+      B e = simd::exp_via2<A>(B::load_unaligned(p + u * L) - finite_new[u]);
       if (masked) e = xsimd::select(row_pos <= lastc[u], e, B(0.0f));
       e.store_unaligned(p + u * L);
       sum[u] += e;

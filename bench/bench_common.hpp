@@ -14,10 +14,19 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <ctime>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace kvc::bench {
 
@@ -35,13 +44,79 @@ inline double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// ---- the caller's pages -------------------------------------------------------------------------------
+// By default the layer (the caller's KV cache and queries) lives in the pages malloc gives it: 4 KiB
+// pages on a machine whose transparent huge pages are in "madvise" mode, as on the VM of bench/README.md.
+// With the environment variable KVC_BENCH_HUGE_PAGES=1 the filled K, V and Q buffers (and the decode
+// benchmark's caches) are moved into 2 MiB pages (MADV_HUGEPAGE then MADV_COLLAPSE, Linux >= 6.1), as an
+// engine that follows README.md's advice would hold its cache; every layer-sized benchmark then reports
+// huge_frac, the fraction of those bytes the kernel actually put in huge pages (from /proc/self/smaps).
+// The library's own allocations are not affected either way.
+
+inline bool huge_pages_requested() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVC_BENCH_HUGE_PAGES");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+/// Asks the kernel to back the whole 2 MiB pages inside [p, p + bytes) with huge pages now (contents kept).
+inline void collapse_to_huge_pages(const void* p, std::size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr std::uintptr_t huge = std::uintptr_t(1) << 21;
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p), last = first + bytes;
+  const std::uintptr_t begin = (first + huge - 1) & ~(huge - 1), end = last & ~(huge - 1);
+  if (end <= begin) return;
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux >= 6.1; older kernels answer EINVAL (then huge_frac shows it)
+#endif
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_COLLAPSE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+/// Bytes of [p, p + bytes) in mappings' AnonHugePages, by /proc/self/smaps (mappings that overlap the range
+/// count with their whole AnonHugePages, clipped to the range's size): an estimate for one large buffer.
+inline double huge_page_bytes(const void* p, std::size_t bytes) {
+  std::ifstream smaps("/proc/self/smaps");
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p), last = first + bytes;
+  std::string line;
+  bool inside = false;
+  double total = 0;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2) {  // a mapping's header line
+      inside = lo < last && hi > first;
+    } else if (inside && line.rfind("AnonHugePages:", 0) == 0) {
+      total += std::min(double(bytes), 1024.0 * std::strtod(line.c_str() + 14, nullptr));
+    }
+  }
+  return std::min(total, double(bytes));
+}
+
 // ---- the layer ------------------------------------------------------------------------------------------
 // Llama-3.1-8B: Hq 32, Hkv 8, d 128, W 32 (examples/synthetic_demo.hpp's defaults), one per n, cached.
 inline const demo::SyntheticLayer& layer_of(Index n) {
   static std::map<Index, std::unique_ptr<demo::SyntheticLayer>> cache;
   auto& slot = cache[n];
-  if (!slot) slot = std::make_unique<demo::SyntheticLayer>(7, n);
+  if (!slot) {
+    slot = std::make_unique<demo::SyntheticLayer>(7, n);
+    if (huge_pages_requested())
+      for (const auto* v : {&slot->keys, &slot->values, &slot->queries})
+        collapse_to_huge_pages(v->data(), v->size() * sizeof(float));
+  }
   return *slot;
+}
+
+/// Fraction of the layer's K and V bytes in huge pages (see huge_pages_requested).
+inline double layer_huge_fraction(Index n) {
+  const auto& l = layer_of(n);
+  const std::size_t bytes = l.keys.size() * sizeof(float);
+  return (huge_page_bytes(l.keys.data(), bytes) + huge_page_bytes(l.values.data(), bytes)) / (2.0 * double(bytes));
 }
 
 /// FLOPs of the unavoidable product of one layer: Hkv · (G·W × d × n) multiply-adds.
@@ -115,7 +190,8 @@ double time_iterations(benchmark::State& state, F&& body) {
   return total / double(state.iterations());
 }
 
-/// Streaming read bandwidth (bytes/s) of one core: a SIMD sum over `bytes` of float data, best of 3.
+/// Streaming read bandwidth (bytes/s) of one core: a SIMD sum over `bytes` of float data, best of 3 (in
+/// huge pages when the layer is, see huge_pages_requested).
 inline double stream_bytes_per_second(std::size_t bytes) {
   static std::map<std::size_t, double> cache;
   auto it = cache.find(bytes);
@@ -123,6 +199,7 @@ inline double stream_bytes_per_second(std::size_t bytes) {
   using A = simd::default_arch;
   using B = simd::fbatch<A>;
   std::vector<float> buf(bytes / sizeof(float), 1.0f);
+  if (huge_pages_requested()) collapse_to_huge_pages(buf.data(), buf.size() * sizeof(float));  // as the caches
   double best = 0.0;
   for (int rep = 0; rep < 3; ++rep) {
     const double t0 = thread_seconds();
@@ -157,6 +234,7 @@ inline void set_layer_counters(benchmark::State& state, Index n, double seconds_
   state.counters["tokens/s"] = benchmark::Counter(double(n) / seconds_per_iter);
   state.counters["gemm_ms"] = gemm_seconds(n) * 1e3;
   state.counters["x_gemm"] = seconds_per_iter / gemm_seconds(n);
+  if (huge_pages_requested()) state.counters["huge_frac"] = layer_huge_fraction(n);
 }
 
 }  // namespace kvc::bench

@@ -23,6 +23,12 @@ struct DecodeCache {
           keys[dst] = T(layer.keys[src]);
           values[dst] = T(layer.values[src]);
         }
+    if (huge_pages_requested())
+      for (const auto* v : {&keys, &values}) collapse_to_huge_pages(v->data(), v->size() * sizeof(T));
+  }
+  double huge_fraction() const {
+    const std::size_t bytes = keys.size() * sizeof(T);
+    return (huge_page_bytes(keys.data(), bytes) + huge_page_bytes(values.data(), bytes)) / (2.0 * double(bytes));
   }
   TensorView<const T> k() const { return make_head_major<const T>(keys.data(), heads, tokens, dim); }
   TensorView<const T> v() const { return make_head_major<const T>(values.data(), heads, tokens, dim); }
@@ -61,6 +67,7 @@ void BM_Decode(benchmark::State& state) {
   state.counters["full_ms"] = full_s * 1e3;
   state.counters["bytes/s"] = bytes / best;
   state.counters["frac_stream"] = bytes / best / stream_bytes_per_second(std::size_t(bytes));
+  if (huge_pages_requested()) state.counters["huge_frac"] = std::min(full.huge_fraction(), compressed.huge_fraction());
 }
 
 /// Overlap probe for the decode target: the streaming sum of BM_StreamSum over the bytes of the 25 %

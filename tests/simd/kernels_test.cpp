@@ -240,8 +240,10 @@ void check_multi_row(std::mt19937_64& rng) {
 template <class A>
 void check_window_gemm(std::mt19937_64& rng) {
   const long L = long(simd::fbatch<A>::size);
-  for (long R : {1L, 3L, L, L + 1, 2 * L, 2 * L + 3, 5 * L, 128L})
-    for (long d : {1L, 7L, 64L})
+  // Rp = L, 2L, 3L, 5L, 6L, 7L, 128: every mix of the panel widths (simd::panel_columns); d = 129 is too
+  // deep for AVX-512's 4-batch panels to fit in 32 KiB, so it takes the 2-batch ones there.
+  for (long R : {1L, 3L, L, L + 1, 2 * L, 2 * L + 3, 5 * L, 6 * L - 1, 7 * L, 128L})
+    for (long d : {1L, 7L, 64L, 129L})
       for (long count : {1L, 5L, 6L, 7L, 13L}) {
         INFO("arch " << A::name() << " R " << R << " d " << d << " keys " << count);
         const long ldq = d + 2, ldk = d + 3, Rp = simd::padded_queries<A>(R), ldo = Rp + L;

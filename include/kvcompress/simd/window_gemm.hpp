@@ -6,8 +6,10 @@
 // while the few G·W queries are packed once per head into panels of `2·L` columns (L = float lanes),
 // so no key is ever copied or transposed (float input); every softmax statistic (row maximum, row
 // sum, rescaling) is then a vertical, lane-wise operation, and the attention mass of key j is one dot
-// product of its row with a per-tile factor vector. The micro-kernel keeps a 6-key × 2L-query block
-// of accumulators in registers (12 on AVX2) and does 2 loads + 6 broadcasts per 12 FMAs; the product
+// product of its row with a per-tile factor vector. The micro-kernel keeps a 6-key × NV·L-query block
+// of accumulators in registers (NV = 2 with AVX2's 16 registers: 12 accumulators, 2 loads + 6
+// broadcasts per 12 FMAs; NV = 4 with AVX-512's 32 when a panel fits in L1: 24 accumulators, 4 loads
+// + 6 broadcasts per 24 FMAs); the product
 // goes panel by panel (window_logits_t), one panel in L1 while a caller's tile of keys (kSoftmaxTile·d
 // floats, 128 KiB at d = 128) is re-read from L2, and the panel passes of one tile prefetch the next
 // tile's keys into L2 while they compute, so it runs near the FMA peak. It can also hand the softmax each
@@ -32,15 +34,32 @@ inline Index padded_queries(Index R) {
   return (R + L - 1) / L * L;
 }
 
+/// Float batches in the widest query panel: 4 where there are 32 vector registers (AVX-512: 6 keys × 4
+/// batches = 24 accumulators, + 4 query batches + 1 broadcast), else 2 (12 + 2 + 1 of AVX2's 16).
+template <class A>
+inline constexpr int kPanelBatches = fbatch<A>::size >= 16 ? 4 : 2;
+
+/// Columns of the query panel that starts where `remaining` padded columns are left (d: the head
+/// dimension): the widest of kPanelBatches·L, 2L, L that fits in `remaining` — where kPanelBatches·L
+/// columns of d floats are at most 32 KiB (a panel stays in L1 while the keys pass), else at most 2L.
+/// pack_queries and window_logits_t both lay panels out this way.
+template <class A>
+inline Index panel_columns(Index remaining, Index d) {
+  constexpr Index L = fbatch<A>::size;
+  constexpr Index widest = kPanelBatches<A> * L;
+  if (widest > 2 * L && remaining >= widest && widest * d * Index(sizeof(float)) <= (Index(32) << 10)) return widest;
+  return remaining >= 2 * L ? 2 * L : L;
+}
+
 /// Pack `R` query rows q_r (row stride ldq, d floats each) times `scale` into panels for
-/// window_logits_t: full panels of 2L columns laid out [d][2L], then at most one panel of L columns
-/// laid out [d][L]; columns R..padded_queries(R) are 0. `packed` holds padded_queries(R)·d floats.
+/// window_logits_t: panels of P = panel_columns(columns left, d) columns each, laid out [d][P] (the
+/// widest first, then at most one of 2L, then at most one of L); columns R..padded_queries(R) are 0.
+/// `packed` holds padded_queries(R)·d floats.
 template <class A>
 inline void pack_queries(const float* q, Index ldq, Index R, Index d, float scale, float* packed) {
-  constexpr Index L = fbatch<A>::size;
   const Index Rp = padded_queries<A>(R);
   for (Index c0 = 0; c0 < Rp;) {
-    const Index P = (Rp - c0 >= 2 * L) ? 2 * L : L;
+    const Index P = panel_columns<A>(Rp - c0, d);
     for (Index p = 0; p < d; ++p)
       for (Index c = 0; c < P; ++c) {
         const Index r = c0 + c;
@@ -161,8 +180,11 @@ inline void logits_panel(const float* k, Index ldk, Index count, Index d, const 
 
 /// out[j][c] (row stride ldo ≥ Rp) = Σ_p k_j[p] · packed column c, for `count` key rows
 /// k_j = k + j·ldk (d floats each) and every packed query column c < Rp = padded_queries(R).
-/// Panel by panel: each panel (2L·d floats, 8 KiB on AVX2 at d = 128) stays in L1 while all the keys
-/// pass (re-read from L2 once per panel when a caller's tile of keys fits there); keys outer and panels
+/// Panel by panel (panel_columns): each panel (P·d floats: 8 KiB on AVX2 and 32 KiB on AVX-512 at
+/// d = 128) stays in L1 while all the keys pass (re-read from L2 once per panel when a caller's tile
+/// of keys fits there). AVX-512's 4-batch panels (the 2-batch ones before the tenth round) measured
+/// about 5 % faster on the product in a scratch driver, with the layer in 4 KiB and in 2 MiB pages
+/// (bench/README.md, tenth round). Keys outer and panels
 /// inner instead streamed all Rp·d panel floats from L2 for every block of kLogitsKeys keys (2.7× the
 /// L2 traffic on AVX2) and measured about 5% slower on stage 1 there. Every output has the same
 /// arithmetic either way.
@@ -183,15 +205,28 @@ inline void window_logits_t(const float* k, Index ldk, Index count, Index d, con
                             float* out, Index ldo, const float* next = nullptr, Index next_count = 0,
                             float* tile_max = nullptr) {
   constexpr Index L = fbatch<A>::size;
-  const Index panels = Rp / (2 * L) + (Rp % (2 * L) != 0 ? 1 : 0);
+  Index panels = 0;
+  for (Index c0 = 0; c0 < Rp; c0 += panel_columns<A>(Rp - c0, d)) ++panels;
   const auto all_panels = [&](auto stats) {  // stats: std::bool_constant, whether tile_max is written
     constexpr bool S = decltype(stats)::value;
     detail::KeyPrefetch pf{next, next_count, 0, panels};
-    Index c0 = 0;
-    for (; Rp - c0 >= 2 * L; c0 += 2 * L, ++pf.first_line)
-      detail::logits_panel<A, 2, S>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, S ? tile_max + c0 : nullptr);
-    if (c0 < Rp)
-      detail::logits_panel<A, 1, S>(k, ldk, count, d, packed + c0 * d, out + c0, ldo, pf, S ? tile_max + c0 : nullptr);
+    for (Index c0 = 0; c0 < Rp; ++pf.first_line) {
+      const Index P = panel_columns<A>(Rp - c0, d);
+      const float* panel = packed + c0 * d;
+      float* const tm = S ? tile_max + c0 : nullptr;
+      if constexpr (kPanelBatches<A> >= 4) {
+        if (P == 4 * L) {
+          detail::logits_panel<A, 4, S>(k, ldk, count, d, panel, out + c0, ldo, pf, tm);
+          c0 += P;
+          continue;
+        }
+      }
+      if (P == 2 * L)
+        detail::logits_panel<A, 2, S>(k, ldk, count, d, panel, out + c0, ldo, pf, tm);
+      else
+        detail::logits_panel<A, 1, S>(k, ldk, count, d, panel, out + c0, ldo, pf, tm);
+      c0 += P;
+    }
   };
   if (tile_max != nullptr)
     all_panels(std::true_type{});

@@ -59,8 +59,8 @@ inline void dot_and_sum_squares4(const T* const* x, const T* const* y, Index d, 
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const B a = simd::load<A>(x[r] + k), b = simd::load<A>(y[r] + k);
-      xy[r] = xsimd::fma(a, b, xy[r]);
-      xx[r] = xsimd::fma(a, a, xx[r]);
+      xy[r] = simd::fma(a, b, xy[r]);
+      xx[r] = simd::fma(a, a, xx[r]);
     }
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) {
@@ -84,7 +84,7 @@ inline float sum_squares_like_cosine(const T* y, Index d) {
   Index k = 0;
   for (; k + S <= d; k += S) {
     const B b = simd::load<A>(y + k);
-    yy = xsimd::fma(b, b, yy);
+    yy = simd::fma(b, b, yy);
   }
   float s = simd::reduce_add<A>(yy);
   for (; k < d; ++k) {

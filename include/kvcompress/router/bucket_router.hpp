@@ -63,7 +63,7 @@ inline void dots_against_n(const T* const* rows, Index count, const T* const* y,
       for (Index r = 0; r < G; ++r) {
         const B xr = simd::load<A>(x[r] + k);
 #pragma GCC unroll 16
-        for (int t = 0; t < NY; ++t) acc[t * G + r] = xsimd::fma(xr, yv[t], acc[t * G + r]);
+        for (int t = 0; t < NY; ++t) acc[t * G + r] = simd::fma(xr, yv[t], acc[t * G + r]);
       }
     }
     alignas(64) float sums[S];

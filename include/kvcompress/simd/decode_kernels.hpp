@@ -89,7 +89,7 @@ inline void dots_block(const float* q, Index q_stride, const T* const* k, Index 
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h) {
         B& a = acc[decltype(base)::value + h];
-        a = xsimd::fma(B::load_unaligned(q + h * q_stride + c), kv, a);
+        a = simd::fma(B::load_unaligned(q + h * q_stride + c), kv, a);
       }
     }
   };
@@ -136,7 +136,7 @@ inline void axpy_block(const float* w, Index w_stride, const T* v, Index v_strid
     for (int h = 0; h < NH; ++h) {
       const B wb(w[h * w_stride + j]);
 #pragma GCC unroll 2
-      for (int n = 0; n < NC; ++n) acc[h][n] = xsimd::fma(wb, vv[n], acc[h][n]);
+      for (int n = 0; n < NC; ++n) acc[h][n] = simd::fma(wb, vv[n], acc[h][n]);
     }
   }
 #pragma GCC unroll 4

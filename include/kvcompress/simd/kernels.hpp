@@ -28,15 +28,15 @@ inline fbatch<A> exp(const fbatch<A>& x_in) {
   using IB = xsimd::batch<std::int32_t, A>;
   const B x = xsimd::min(xsimd::max(x_in, B(-88.0f)), B(88.0f));
   const B fx = xsimd::nearbyint(x * B(1.44269504088896341f));
-  B r = xsimd::fnma(fx, B(0.693359375f), x);
-  r = xsimd::fnma(fx, B(-2.12194440e-4f), r);
+  B r = simd::fnma(fx, B(0.693359375f), x);
+  r = simd::fnma(fx, B(-2.12194440e-4f), r);
   B p = B(1.9875691500e-4f);
-  p = xsimd::fma(p, r, B(1.3981999507e-3f));
-  p = xsimd::fma(p, r, B(8.3334519073e-3f));
-  p = xsimd::fma(p, r, B(4.1665795894e-2f));
-  p = xsimd::fma(p, r, B(1.6666665459e-1f));
-  p = xsimd::fma(p, r, B(5.0000001201e-1f));
-  const B y = B(1.0f) + xsimd::fma(p, r * r, r);  // one rounding of the small part, then 1 + (.)
+  p = simd::fma(p, r, B(1.3981999507e-3f));
+  p = simd::fma(p, r, B(8.3334519073e-3f));
+  p = simd::fma(p, r, B(4.1665795894e-2f));
+  p = simd::fma(p, r, B(1.6666665459e-1f));
+  p = simd::fma(p, r, B(5.0000001201e-1f));
+  const B y = B(1.0f) + simd::fma(p, r * r, r);  // one rounding of the small part, then 1 + (.)
   const IB n = xsimd::to_int(fx);
   const B pow2n = xsimd::bitwise_cast<B>((n + IB(127)) << 23);
   return y * pow2n;
@@ -48,8 +48,9 @@ inline fbatch<A> exp(const fbatch<A>& x_in) {
 /// one polynomial term less), so the softmax kernels take e^x as 2^(x·log2 e): in a scratch driver
 /// (bench/README.md, tenth round) an AVX-512 batch cost 1.9-2.0 ns against simd::exp's 3.4-3.9, and
 /// BM_WindowMass/32768 went from 72.8-77.7 to 70.0-75.6 ms. On AVX-512, 2^n is applied by vscalefps:
-/// the same correctly rounded product as the multiply by the power of two elsewhere, so every
-/// architecture returns the same bits (tested against SSE2). NaN gives 0 (the clamp), as in simd::exp.
+/// the same correctly rounded product as the multiply by the power of two elsewhere, so architectures
+/// with a fused multiply-add return the same bits (tested against a scalar mirror). NaN gives 0 (the
+/// clamp), as in simd::exp.
 template <class A>
 inline fbatch<A> exp2(const fbatch<A>& y_in) {
   using B = fbatch<A>;
@@ -57,12 +58,12 @@ inline fbatch<A> exp2(const fbatch<A>& y_in) {
   const B n = xsimd::nearbyint(y);
   const B r = y - n;
   B p = B(1.5345811594e-4f);
-  p = xsimd::fma(p, r, B(1.3399931216e-3f));
-  p = xsimd::fma(p, r, B(9.6184889586e-3f));
-  p = xsimd::fma(p, r, B(5.5503287770e-2f));
-  p = xsimd::fma(p, r, B(2.4022646891e-1f));
-  p = xsimd::fma(p, r, B(6.9314720574e-1f));
-  p = xsimd::fma(p, r, B(1.0f));
+  p = simd::fma(p, r, B(1.3399931216e-3f));
+  p = simd::fma(p, r, B(9.6184889586e-3f));
+  p = simd::fma(p, r, B(5.5503287770e-2f));
+  p = simd::fma(p, r, B(2.4022646891e-1f));
+  p = simd::fma(p, r, B(6.9314720574e-1f));
+  p = simd::fma(p, r, B(1.0f));
 #if defined(__AVX512F__)
   if constexpr (B::size == 16) {
     const __mmask16 keep = _mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.5f), _CMP_NLT_UQ);
@@ -91,11 +92,11 @@ inline float dot(const float* x, const T* y, Index d) {
   B acc0(0.0f), acc1(0.0f);
   Index k = 0;
   for (; k + 2 * S <= d; k += 2 * S) {
-    acc0 = xsimd::fma(B::load_unaligned(x + k), load<A>(y + k), acc0);
-    acc1 = xsimd::fma(B::load_unaligned(x + k + S), load<A>(y + k + S), acc1);
+    acc0 = simd::fma(B::load_unaligned(x + k), load<A>(y + k), acc0);
+    acc1 = simd::fma(B::load_unaligned(x + k + S), load<A>(y + k + S), acc1);
   }
   if (k + S <= d) {
-    acc0 = xsimd::fma(B::load_unaligned(x + k), load<A>(y + k), acc0);
+    acc0 = simd::fma(B::load_unaligned(x + k), load<A>(y + k), acc0);
     k += S;
   }
   float s = reduce_add<A>(acc0 + acc1);
@@ -112,12 +113,12 @@ inline float sum_squares(const T* x, Index d) {
   Index k = 0;
   for (; k + 2 * S <= d; k += 2 * S) {
     const B a = load<A>(x + k), b = load<A>(x + k + S);
-    acc0 = xsimd::fma(a, a, acc0);
-    acc1 = xsimd::fma(b, b, acc1);
+    acc0 = simd::fma(a, a, acc0);
+    acc1 = simd::fma(b, b, acc1);
   }
   if (k + S <= d) {
     const B a = load<A>(x + k);
-    acc0 = xsimd::fma(a, a, acc0);
+    acc0 = simd::fma(a, a, acc0);
     k += S;
   }
   float s = reduce_add<A>(acc0 + acc1);
@@ -143,9 +144,9 @@ inline float cosine(const T* x, const T* y, Index d) {
   Index k = 0;
   for (; k + S <= d; k += S) {
     const B a = load<A>(x + k), b = load<A>(y + k);
-    xy = xsimd::fma(a, b, xy);
-    xx = xsimd::fma(a, a, xx);
-    yy = xsimd::fma(b, b, yy);
+    xy = simd::fma(a, b, xy);
+    xx = simd::fma(a, a, xx);
+    yy = simd::fma(b, b, yy);
   }
   float sxy = reduce_add<A>(xy), sxx = reduce_add<A>(xx), syy = reduce_add<A>(yy);
   for (; k < d; ++k) {
@@ -165,7 +166,7 @@ inline void axpy(float w, const T* x, float* y, Index d) {
   constexpr Index S = B::size;
   const B wb(w);
   Index k = 0;
-  for (; k + S <= d; k += S) xsimd::fma(wb, load<A>(x + k), B::load_unaligned(y + k)).store_unaligned(y + k);
+  for (; k + S <= d; k += S) simd::fma(wb, load<A>(x + k), B::load_unaligned(y + k)).store_unaligned(y + k);
   for (; k < d; ++k) y[k] += w * to_float(x[k]);
 }
 
@@ -305,10 +306,10 @@ inline void dot_rows(const float* q, Index q_stride, Index count, const T* k, In
     Index c = 0;
     for (; c + S <= d; c += S) {
       const B kv = load<A>(k + c);
-      a0 = xsimd::fma(B::load_unaligned(q0 + c), kv, a0);
-      a1 = xsimd::fma(B::load_unaligned(q1 + c), kv, a1);
-      a2 = xsimd::fma(B::load_unaligned(q2 + c), kv, a2);
-      a3 = xsimd::fma(B::load_unaligned(q3 + c), kv, a3);
+      a0 = simd::fma(B::load_unaligned(q0 + c), kv, a0);
+      a1 = simd::fma(B::load_unaligned(q1 + c), kv, a1);
+      a2 = simd::fma(B::load_unaligned(q2 + c), kv, a2);
+      a3 = simd::fma(B::load_unaligned(q3 + c), kv, a3);
     }
     float s0 = reduce_add<A>(a0), s1 = reduce_add<A>(a1), s2 = reduce_add<A>(a2), s3 = reduce_add<A>(a3);
     for (; c < d; ++c) {
@@ -337,7 +338,7 @@ inline void axpy_rows(const float* w, Index w_stride, Index count, const T* v, I
     const B vv = load<A>(v + c);
     for (Index h = 0; h < count; ++h) {
       float* yh = y + h * y_stride + c;
-      xsimd::fma(B(w[h * w_stride]), vv, B::load_unaligned(yh)).store_unaligned(yh);
+      simd::fma(B(w[h * w_stride]), vv, B::load_unaligned(yh)).store_unaligned(yh);
     }
   }
   for (; c < d; ++c) {

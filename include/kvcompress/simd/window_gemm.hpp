@@ -117,7 +117,7 @@ inline void logits_block(const float* k, Index ldk, Index d, const float* qp, fl
     for (int i = 0; i < MR; ++i) {
       const B kb(k[i * ldk + p]);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i][v] = xsimd::fma(kb, q[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = simd::fma(kb, q[v], acc[i][v]);
     }
   }
 #pragma GCC unroll 8

@@ -71,6 +71,31 @@ inline void prefetch_l2(const void* p) {
 #endif
 }
 
+/// x·y + z with one rounding, on every build. xsimd 8.1 has no AVX-512 multiply-add: there its
+/// xsimd::fma is the generic x * y + z, which the compiler fuses only when it contracts floating-point
+/// expressions. GCC 12 does at -O2 (kvc_bench, the demo), not at -O1 (this project's tests) nor -O0,
+/// nor with -ffp-contract=off, which numerical codes set for reproducibility: there every
+/// multiply-add of the AVX-512 kernels was two instructions and two roundings, so results differed
+/// with the optimisation level. Elsewhere xsimd's own (fused where the architecture has FMA:
+/// fma3<...>, NEON). Call it qualified (simd::fma): unqualified, argument-dependent lookup also finds
+/// xsimd::fma.
+template <class A>
+inline fbatch<A> fma(const fbatch<A>& x, const fbatch<A>& y, const fbatch<A>& z) {
+#if defined(__AVX512F__)
+  if constexpr (fbatch<A>::size == 16) return fbatch<A>(_mm512_fmadd_ps(x, y, z));
+#endif
+  return xsimd::fma(x, y, z);
+}
+
+/// z − x·y with one rounding (see simd::fma).
+template <class A>
+inline fbatch<A> fnma(const fbatch<A>& x, const fbatch<A>& y, const fbatch<A>& z) {
+#if defined(__AVX512F__)
+  if constexpr (fbatch<A>::size == 16) return fbatch<A>(_mm512_fnmadd_ps(x, y, z));
+#endif
+  return xsimd::fnma(x, y, z);
+}
+
 /// Horizontal sum (xsimd 8.1 has no `reduce_add`).
 template <class A>
 inline float reduce_add(const fbatch<A>& b) {

@@ -42,40 +42,48 @@ inline fbatch<A> exp(const fbatch<A>& x_in) {
   return y * pow2n;
 }
 
-/// 2^y for y in [-127, 127] (clamped): y = n + r with n = nearbyint(y) and r = y - n exact (|r| <= 1/2),
-/// 2^r by a degree-6 polynomial (coefficients fitted for relative error on [-1/2, 1/2]; below 2·2^-24 in
-/// float arithmetic, tested), times 2^n; 0 where n = -127. Cheaper than simd::exp (no two-step ln 2 reduction,
-/// one polynomial term less), so the softmax kernels take e^x as 2^(x·log2 e): in a scratch driver
-/// (bench/README.md, tenth round) an AVX-512 batch cost 1.9-2.0 ns against simd::exp's 3.4-3.9, and
-/// BM_WindowMass/32768 went from 72.8-77.7 to 70.0-75.6 ms. On AVX-512, 2^n is applied by vscalefps:
-/// the same correctly rounded product as the multiply by the power of two elsewhere, so architectures
-/// with a fused multiply-add return the same bits (tested against a scalar mirror). NaN gives 0 (the
-/// clamp), as in simd::exp.
+/// 2^y for y <= 127 (clamped there): y = n + r with n = floor(y) and r = y - n exact (0 <= r < 1), 2^r
+/// by a degree-6 polynomial (coefficients fitted for relative error on [0, 1]; 1.04·2^-24 in float
+/// arithmetic, tested), times 2^n; exactly 0 for y < -126 (so never a denormal), for -inf and for NaN.
+/// Cheaper than simd::exp (no two-step ln 2 reduction, one polynomial term less), so the softmax
+/// kernels take e^x as 2^(x·log2 e): on AVX-512, where the reduction is one vreduceps and 2^n is
+/// applied by vscalefps (which takes floor(y) itself), a batch with the softmax's load, shift, store
+/// and sum cost 2.8-2.9 ns in a scratch driver against 3.3-3.4 for the nearbyint form of this function
+/// and 3.4-3.9 ns for simd::exp (bench/README.md, tenth round). vscalefps gives the same correctly
+/// rounded product as the multiply by the power of two elsewhere, so architectures with a fused
+/// multiply-add return the same bits (tested against a scalar mirror).
 template <class A>
 inline fbatch<A> exp2(const fbatch<A>& y_in) {
   using B = fbatch<A>;
-  const B y = xsimd::min(xsimd::max(y_in, B(-127.0f)), B(127.0f));
-  const B n = xsimd::nearbyint(y);
-  const B r = y - n;
-  B p = B(1.5345811594e-4f);
-  p = simd::fma(p, r, B(1.3399931216e-3f));
-  p = simd::fma(p, r, B(9.6184889586e-3f));
-  p = simd::fma(p, r, B(5.5503287770e-2f));
-  p = simd::fma(p, r, B(2.4022646891e-1f));
-  p = simd::fma(p, r, B(6.9314720574e-1f));
-  p = simd::fma(p, r, B(1.0f));
+  const auto poly = [](const B& r) {
+    B p = B(2.1702255685e-4f);
+    p = simd::fma(p, r, B(1.2439687760e-3f));
+    p = simd::fma(p, r, B(9.6788410037e-3f));
+    p = simd::fma(p, r, B(5.5483341981e-2f));
+    p = simd::fma(p, r, B(2.4022983627e-1f));
+    p = simd::fma(p, r, B(6.9314698384e-1f));
+    return simd::fma(p, r, B(1.0f));
+  };
 #if defined(__AVX512F__)
   if constexpr (B::size == 16) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.5f), _CMP_NLT_UQ);
-    return B(_mm512_maskz_scalef_ps(keep, p, n));
+    const __mmask16 keep = _mm512_cmp_ps_mask(y_in, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);  // NaN: false
+    const B y = xsimd::min(y_in, B(127.0f));
+#if defined(__AVX512DQ__)
+    const B r(_mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));  // y - floor(y)
+#else
+    const B r = y - xsimd::floor(y);
+#endif
+    return B(_mm512_maskz_scalef_ps(keep, poly(r), y));
   }
 #endif
   using IB = xsimd::batch<std::int32_t, A>;
-  return p * xsimd::bitwise_cast<B>((xsimd::to_int(n) + IB(127)) << 23);
+  const B y = xsimd::min(xsimd::max(y_in, B(-127.0f)), B(127.0f));  // NaN: -127 (x86 max), so 0
+  const B n = xsimd::floor(y);
+  return poly(y - n) * xsimd::bitwise_cast<B>((xsimd::to_int(n) + IB(127)) << 23);  // n = -127: 0
 }
 
-/// e^x as 2^(x·log2 e) through simd::exp2 (the softmax kernels' exponential). Same range convention
-/// as simd::exp up to where the rounding of x·log2 e puts the bounds (0 below about -87.7).
+/// e^x as 2^(x·log2 e) through simd::exp2 (the softmax kernels' exponential). 0 below about -87.3
+/// (x·log2 e < -126), where simd::exp gives 0 below about -87.7.
 template <class A>
 inline fbatch<A> exp_via2(const fbatch<A>& x) {
   return simd::exp2<A>(x * fbatch<A>(1.44269504088896341f));

@@ -48,8 +48,8 @@ inline fbatch<A> exp(const fbatch<A>& x_in) {
 /// Cheaper than simd::exp (no two-step ln 2 reduction, one polynomial term less), so the softmax
 /// kernels take e^x as 2^(x·log2 e): on AVX-512, where the reduction is one vreduceps and 2^n is
 /// applied by vscalefps (which takes floor(y) itself), a batch with the softmax's load, shift, store
-/// and sum cost 2.8-2.9 ns in a scratch driver against 3.3-3.4 for the nearbyint form of this function
-/// and 3.4-3.9 ns for simd::exp (bench/README.md, tenth round). vscalefps gives the same correctly
+/// and sum cost 2.8-2.9 ns in a scratch driver against 3.3-3.4 for a form of this function that
+/// rounds to nearest (bench/README.md, tenth round, also for simd::exp). vscalefps gives the same correctly
 /// rounded product as the multiply by the power of two elsewhere, so architectures with a fused
 /// multiply-add return the same bits (tested against a scalar mirror).
 template <class A>

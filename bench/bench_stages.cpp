@@ -43,6 +43,25 @@ void BM_WindowMass(benchmark::State& state) {
   state.counters["workspace_MB"] = double(ws.bytes()) / 1e6;
 }
 
+/// Stage 1 without its mass pass: the window-attention product and the causal online softmax, as
+/// window_mass runs them (detail::window_exp_tiles_t: the exponentials of every key tile written to the
+/// workspace), all heads. frac_peak: what the "window-attention product and softmax" target
+/// names; BM_WindowMass adds the column sums (the mass pass) on top.
+void BM_WindowSoftmax(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  WindowWorkspace<float> ws;
+  const double per = time_iterations(state, [&] {
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      const bool finite = kvc::detail::window_exp_tiles_t<simd::default_arch>(layer, g, AttentionArguments{}, ws);
+      benchmark::DoNotOptimize(finite);
+      benchmark::DoNotOptimize(ws.exps.data());
+    }
+  });
+  set_layer_counters(state, n, per);
+  state.counters["frac_peak"] = layer_gemm_flops(layer) / per * 1e-9 / peak_gflops();
+}
+
 /// The product alone, as stage 1 runs it (simd::window_logits_t over the same tiles of kSoftmaxTile keys,
 /// queries packed once per head) but into one reused tile, with no softmax and no mass pass: frac_peak is
 /// the micro-kernel's own fraction of the FMA peak, and BM_WindowMass minus this is the epilogue's cost.
@@ -260,6 +279,7 @@ void BM_StreamSum(benchmark::State& state) {
 BENCHMARK(BM_PeakFma)->UseManualTime();
 BENCHMARK(BM_Gemm)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowMass)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_WindowSoftmax)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowLogits)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_ProductStreamOverlap)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowProbabilities)->Apply(kvc::bench::layer_sizes);

@@ -205,13 +205,13 @@ void mass_from_probabilities(const RowMatrix<Real>& probs, Index G, Vector<Real>
 
 namespace detail {
 
-/// The float attention-mass path (see window_mass): per tile of keys, the transposed logits
+/// Pass 1 of the float attention-mass path (see window_mass): per tile of keys, the transposed logits
 /// X[j][r] = scale·<q_r, k_j> by simd::window_logits_t (keys broadcast from the caller's rows, queries
-/// packed once), the online causal softmax epilogue simd::softmax_tile_t on the tile while it is in
-/// cache, then a[j] = Σ_r e^(shift_t[r] − M_r)/(G·Z_r) · X[j][r] by one dot product per key.
+/// packed once), then the online causal softmax epilogue simd::softmax_tile_t on the tile while it is
+/// in cache. Leaves in `ws` the exponentials (n, Rp), each tile's shift, and the final row maxima and
+/// sums. Returns false when a logit was NaN or ±Inf.
 template <class Arch, class T>
-bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArguments& args, Vector<float>& mass,
-                       WindowWorkspace<float>& ws) {
+bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArguments& args, WindowWorkspace<float>& ws) {
   const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
   const Index R = G * W, Rp = simd::padded_queries<Arch>(R);
   const Index tiles = (n + kSoftmaxTile - 1) / kSoftmaxTile, base = n - W;
@@ -247,6 +247,17 @@ bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArgume
     finite &= simd::softmax_tile_t<Arch>(x, Rp, cnt, Rp, j0 - base, masked, ws.lane_last.data(), cap,
                                          ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data(), tile_max);
   }
+  return finite;
+}
+
+/// The float attention-mass path (see window_mass): window_exp_tiles_t, then pass 2,
+/// a[j] = Σ_r e^(shift_t[r] − M_r)/(G·Z_r) · X[j][r] by one dot product per key.
+template <class Arch, class T>
+bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArguments& args, Vector<float>& mass,
+                       WindowWorkspace<float>& ws) {
+  const bool finite = window_exp_tiles_t<Arch>(layer, g, args, ws);
+  const Index n = layer.tokens(), W = layer.window(), G = layer.group_size();
+  const Index R = G * W, Rp = simd::padded_queries<Arch>(R), tiles = (n + kSoftmaxTile - 1) / kSoftmaxTile;
   mass.resize(n);
   ws.factor.resize(Rp);
   for (Index t = 0; t < tiles; ++t) {

@@ -69,10 +69,12 @@ inline void collapse_to_huge_pages(const void* p, std::size_t bytes) {
   const std::uintptr_t begin = (first + huge - 1) & ~(huge - 1), end = last & ~(huge - 1);
   if (end <= begin) return;
   (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25  // Linux >= 6.1; older kernels answer EINVAL (then huge_frac shows it)
+#ifdef MADV_COLLAPSE
+  constexpr int collapse = MADV_COLLAPSE;
+#else
+  constexpr int collapse = 25;  // Linux >= 6.1; older kernels answer EINVAL (then huge_frac shows it)
 #endif
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_COLLAPSE);
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, collapse);
 #else
   (void)p;
   (void)bytes;
@@ -165,7 +167,7 @@ inline double peak_gflops() {
     const double t0 = thread_seconds();
     for (long i = 0; i < iters; ++i)
 #pragma GCC unroll 12
-      for (int c = 0; c < chains; ++c) acc[c] = xsimd::fma(acc[c], x, y);
+      for (int c = 0; c < chains; ++c) acc[c] = simd::fma(acc[c], x, y);  // fused at any -O
     const double t = thread_seconds() - t0;
     float sink = 0;
     for (int c = 0; c < chains; ++c) sink += simd::reduce_add<A>(acc[c]);

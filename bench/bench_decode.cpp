@@ -99,7 +99,7 @@ void BM_StreamFma(benchmark::State& state) {
 #pragma GCC unroll 2
       for (int round = 0; round < 2; ++round)
 #pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) a[c] = xsimd::fma(a[c], decay, v0);
+        for (int c = 0; c < 8; ++c) a[c] = simd::fma(a[c], decay, v0);
     }
     B total = s0 + s1 + s2 + s3;
     for (int c = 0; c < 8; ++c) total += a[c];

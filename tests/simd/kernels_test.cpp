@@ -152,7 +152,9 @@ void check_exp2() {
   CHECK(simd::exp2<A>(B(-127.0f)).get(0) == 0.0f);
   CHECK(simd::exp2<A>(B(-1000.0f)).get(0) == 0.0f);
   CHECK(simd::exp2<A>(B(-std::numeric_limits<float>::infinity())).get(0) == 0.0f);
-  CHECK(simd::exp2<A>(B(std::numeric_limits<float>::quiet_NaN())).get(0) == 0.0f);
+#if defined(__x86_64__) || defined(__i386__)
+  CHECK(simd::exp2<A>(B(std::numeric_limits<float>::quiet_NaN())).get(0) == 0.0f);  // x86 max drops the NaN
+#endif
   CHECK(simd::exp2<A>(B(1000.0f)).get(0) == std::ldexp(1.0f, 127));
   CHECK(simd::exp2<A>(B(std::numeric_limits<float>::infinity())).get(0) == std::ldexp(1.0f, 127));
   // e^x through it: rounding x·log2 e, and log2 e itself, add up to 1.5·|x|·2^-24 to the relative error
@@ -169,7 +171,6 @@ void check_exp2() {
   CHECK(simd::exp_via2<A>(B(-100.0f)).get(0) == 0.0f);
 }
 
-/// The causal tile epilogue over several tiles reproduces softmax rows computed in double.
 /// The causal tile epilogue over several tiles reproduces softmax rows computed in double.
 template <class A>
 void check_softmax_tile(std::mt19937_64& rng) {
@@ -416,7 +417,8 @@ TEST_CASE("simd kernels match double loops on SSE2 (narrower batches)", "[simd]"
 #if defined(__FMA__)
 TEST_CASE("simd::fma and simd::fnma round once, whether or not the compiler contracts", "[simd]") {
   // This file is compiled with -ffp-contract=off. xsimd 8.1's AVX-512 fma is the generic x * y + z, so
-  // without simd::fma's own vfmadd the AVX-512 build would round twice here.
+  // without simd::fma's own vfmadd the AVX-512 build would round twice here. (Only an AVX-512 build can
+  // fail this: xsimd's fma3<...> architectures are fused already.)
   using A = simd::default_arch;
   using B = simd::fbatch<A>;
   const float x = 1.0f + 0x1p-12f;  // x·x = 1 + 2^-11 + 2^-24: the last term is lost when x·x is rounded
@@ -446,12 +448,21 @@ TEST_CASE("exp2 gives the bits of a scalar mirror of its arithmetic (vscalefps o
   auto rng = kvc::test::make_rng(503);
   std::uniform_real_distribution<float> wide(-140.0f, 130.0f), low(-127.5f, -124.0f), unit(-1.0f, 1.0f);
   long differ = 0;
-  for (int i = 0; i < 200000; ++i) {
-    const float v = i % 3 == 0 ? wide(rng) : i % 3 == 1 ? low(rng) : unit(rng);
-    const float a = simd::exp2<A>(B(v)).get(0), b = mirror(v);
-    if (std::memcmp(&a, &b, sizeof a) != 0) {
-      ++differ;
-      UNSCOPED_INFO("2^" << v << ": " << a << " against " << b);
+  std::vector<float> in(B::size), out(B::size);
+  for (int i = 0; i < 200000 / int(B::size); ++i) {
+    for (std::size_t l = 0; l < B::size; ++l) {  // a different input in every lane
+      const std::size_t k = std::size_t(i) * B::size + l;
+      in[l] = k % 3 == 0 ? wide(rng) : k % 3 == 1 ? low(rng) : unit(rng);
+    }
+    if (i == 0) in[0] = -std::numeric_limits<float>::infinity();
+    if (i == 1) in[B::size - 1] = std::numeric_limits<float>::infinity();
+    simd::exp2<A>(B::load_unaligned(in.data())).store_unaligned(out.data());
+    for (std::size_t l = 0; l < B::size; ++l) {
+      const float b = mirror(in[l]);
+      if (std::memcmp(&out[l], &b, sizeof b) != 0) {
+        ++differ;
+        UNSCOPED_INFO("2^" << in[l] << " in lane " << l << ": " << out[l] << " against " << b);
+      }
     }
   }
   INFO("arch " << A::name());

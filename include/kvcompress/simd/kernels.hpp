@@ -44,7 +44,9 @@ inline fbatch<A> exp(const fbatch<A>& x_in) {
 
 /// 2^y for y <= 127 (clamped there): y = n + r with n = floor(y) and r = y - n exact (0 <= r < 1), 2^r
 /// by a degree-6 polynomial (coefficients fitted for relative error on [0, 1]; 1.04·2^-24 in float
-/// arithmetic, tested), times 2^n; exactly 0 for y < -126 (so never a denormal), for -inf and for NaN.
+/// arithmetic, and the test bounds the whole function by 1.5·2^-24), times 2^n; exactly 0 for y < -126
+/// (so never a denormal) and for -inf; NaN gives 0 on x86 (where max(NaN, c) is c) and on AVX-512, NaN
+/// on ARM (the library reports NaN logits through its finite checks before using any result).
 /// Cheaper than simd::exp (no two-step ln 2 reduction, one polynomial term less), so the softmax
 /// kernels take e^x as 2^(x·log2 e): on AVX-512, where the reduction is one vreduceps and 2^n is
 /// applied by vscalefps (which takes floor(y) itself), a batch with the softmax's load, shift, store
@@ -89,8 +91,12 @@ inline fbatch<A> exp_via2(const fbatch<A>& x) {
   return simd::exp2<A>(x * fbatch<A>(1.44269504088896341f));
 }
 
-/// Scalar e^x with the same range convention (0 below -88), for the tails of vector loops.
-inline float exp_scalar(float x) { return x < -88.0f ? 0.0f : std::exp(std::min(x, 88.0f)); }
+/// Scalar e^x for the tails of vector loops: 0 where x·log2 e < -126 (about x < -87.3), as
+/// simd::exp_via2, the vector part of exp_shift_sum, so that an element's value does not depend on
+/// whether it falls in a vector or in the tail; saturates at e^88.
+inline float exp_scalar(float x) {
+  return x * 1.44269504088896341f < -126.0f ? 0.0f : std::exp(std::min(x, 88.0f));
+}
 
 /// <x, y> with x float and y of element type T. d >= 0.
 template <class A, class T>

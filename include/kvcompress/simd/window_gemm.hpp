@@ -3,14 +3,13 @@
 // X[j][r] = scale·<q_r, k_j> (one row per key, one lane per stacked query r = local_head·W + i).
 //
 // Why transposed: the keys are read straight from the caller's rows (contiguous in d) and broadcast,
-// while the few G·W queries are packed once per head into panels of `2·L` columns (L = float lanes),
+// while the few G·W queries are packed once per head into panels of NV·L columns (L = float lanes),
 // so no key is ever copied or transposed (float input); every softmax statistic (row maximum, row
 // sum, rescaling) is then a vertical, lane-wise operation, and the attention mass of key j is one dot
 // product of its row with a per-tile factor vector. The micro-kernel keeps a 6-key × NV·L-query block
 // of accumulators in registers (NV = 2 with AVX2's 16 registers: 12 accumulators, 2 loads + 6
-// broadcasts per 12 FMAs; NV = 4 with AVX-512's 32 when a panel fits in L1: 24 accumulators, 4 loads
-// + 6 broadcasts per 24 FMAs); the product
-// goes panel by panel (window_logits_t), one panel in L1 while a caller's tile of keys (kSoftmaxTile·d
+// broadcasts per 12 FMAs; NV = 4 with AVX-512's 32 when a panel fits in 32 KiB: 24 accumulators, 4
+// loads + 6 broadcasts per 24 FMAs); the product goes panel by panel (window_logits_t), one panel in L1 while a caller's tile of keys (kSoftmaxTile·d
 // floats, 128 KiB at d = 128) is re-read from L2, and the panel passes of one tile prefetch the next
 // tile's keys into L2 while they compute, so it runs near the FMA peak. It can also hand the softmax each
 // tile's lane maxima from its registers (tile_max), which saves the softmax a pass over the tile.
@@ -42,6 +41,8 @@ inline constexpr int kPanelBatches = fbatch<A>::size >= 16 ? 4 : 2;
 /// Columns of the query panel that starts where `remaining` padded columns are left (d: the head
 /// dimension): the widest of kPanelBatches·L, 2L, L that fits in `remaining` — where kPanelBatches·L
 /// columns of d floats are at most 32 KiB (a panel stays in L1 while the keys pass), else at most 2L.
+/// The bound was measured on a 48 KiB L1D (bench/README.md, tenth round); at d = 128 a 4-batch panel is
+/// exactly 32 KiB, all of the L1D of Skylake-SP / Cascade Lake, where it is unmeasured.
 /// pack_queries and window_logits_t both lay panels out this way.
 template <class A>
 inline Index panel_columns(Index remaining, Index d) {
@@ -182,8 +183,8 @@ inline void logits_panel(const float* k, Index ldk, Index count, Index d, const 
 /// k_j = k + j·ldk (d floats each) and every packed query column c < Rp = padded_queries(R).
 /// Panel by panel (panel_columns): each panel (P·d floats: 8 KiB on AVX2 and 32 KiB on AVX-512 at
 /// d = 128) stays in L1 while all the keys pass (re-read from L2 once per panel when a caller's tile
-/// of keys fits there). AVX-512's 4-batch panels (the 2-batch ones before the tenth round) measured
-/// about 5 % faster on the product in a scratch driver, with the layer in 4 KiB and in 2 MiB pages
+/// of keys fits there). AVX-512's 4-batch panels (2-batch ones before the tenth round) made
+/// kvc_bench's BM_WindowLogits 3-4 % faster on average, with the layer in 4 KiB and in 2 MiB pages
 /// (bench/README.md, tenth round). Keys outer and panels
 /// inner instead streamed all Rp·d panel floats from L2 for every block of kLogitsKeys keys (2.7× the
 /// L2 traffic on AVX2) and measured about 5% slower on stage 1 there. Every output has the same

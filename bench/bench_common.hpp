@@ -114,11 +114,15 @@ inline const demo::SyntheticLayer& layer_of(Index n) {
   return *slot;
 }
 
-/// Fraction of the layer's K and V bytes in huge pages (see huge_pages_requested).
+/// Fraction of a K and a V buffer of `bytes` each that is in huge pages (see huge_pages_requested).
+inline double kv_huge_fraction(const void* keys, const void* values, std::size_t bytes) {
+  return (huge_page_bytes(keys, bytes) + huge_page_bytes(values, bytes)) / (2.0 * double(bytes));
+}
+
+/// The same for the layer of n tokens.
 inline double layer_huge_fraction(Index n) {
   const auto& l = layer_of(n);
-  const std::size_t bytes = l.keys.size() * sizeof(float);
-  return (huge_page_bytes(l.keys.data(), bytes) + huge_page_bytes(l.values.data(), bytes)) / (2.0 * double(bytes));
+  return kv_huge_fraction(l.keys.data(), l.values.data(), l.keys.size() * sizeof(float));
 }
 
 /// FLOPs of the unavoidable product of one layer: Hkv · (G·W × d × n) multiply-adds.

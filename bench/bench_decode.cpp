@@ -26,10 +26,7 @@ struct DecodeCache {
     if (huge_pages_requested())
       for (const auto* v : {&keys, &values}) collapse_to_huge_pages(v->data(), v->size() * sizeof(T));
   }
-  double huge_fraction() const {
-    const std::size_t bytes = keys.size() * sizeof(T);
-    return (huge_page_bytes(keys.data(), bytes) + huge_page_bytes(values.data(), bytes)) / (2.0 * double(bytes));
-  }
+  double huge_fraction() const { return kv_huge_fraction(keys.data(), values.data(), keys.size() * sizeof(T)); }
   TensorView<const T> k() const { return make_head_major<const T>(keys.data(), heads, tokens, dim); }
   TensorView<const T> v() const { return make_head_major<const T>(values.data(), heads, tokens, dim); }
 };

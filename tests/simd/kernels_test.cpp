@@ -383,6 +383,43 @@ void check_window_gemm(std::mt19937_64& rng) {
   }
 }
 
+
+// row_dots against a double loop over row counts around the block size (short last blocks) and
+// awkward lengths, with a row stride longer than the row; every row gets the same arithmetic wherever
+// it is (a row copied to every position gives the same float everywhere, last short block included).
+template <class A>
+void check_row_dots(std::mt19937_64& rng) {
+  constexpr long S = long(simd::fbatch<A>::size);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (long rows : {1L, 2L, S - 1, S, S + 1, 2 * S + 3, 37L})
+    for (long cols : {1L, 7L, 16L, 17L, 33L, 64L, 128L, 130L}) {
+      INFO("arch " << A::name() << " rows " << rows << " cols " << cols);
+      const long ldx = cols + 5;
+      std::vector<float> x(static_cast<std::size_t>(rows * ldx)), w(static_cast<std::size_t>(cols));
+      std::vector<float> out(static_cast<std::size_t>(rows + 1), -7.0f);
+      for (auto& v : x) v = normal(rng);
+      for (auto& v : w) v = normal(rng);
+      simd::row_dots<A>(x.data(), ldx, rows, w.data(), cols, out.data());
+      for (long r = 0; r < rows; ++r) {
+        double want = 0, scale = 0;
+        for (long c = 0; c < cols; ++c) {
+          want += double(w[std::size_t(c)]) * double(x[std::size_t(r * ldx + c)]);
+          scale += std::abs(double(w[std::size_t(c)]) * double(x[std::size_t(r * ldx + c)]));
+        }
+        CHECK(std::abs(double(out[std::size_t(r)]) - want) <= float_bound(cols) * scale);
+      }
+      CHECK(out[std::size_t(rows)] == -7.0f);  // nothing written past `rows`
+      // The same row at every position: the same float at every position.
+      for (long r = 1; r < rows; ++r)
+        std::copy(x.begin(), x.begin() + cols, x.begin() + std::ptrdiff_t(r * ldx));
+      simd::row_dots<A>(x.data(), ldx, rows, w.data(), cols, out.data());
+      for (long r = 1; r < rows; ++r) {
+        INFO("position " << r);
+        CHECK(out[std::size_t(r)] == out[0]);
+      }
+    }
+}
+
 template <class A>
 void check_all_types(std::mt19937_64& rng) {
   check_window_gemm<A>(rng);
@@ -390,6 +427,7 @@ void check_all_types(std::mt19937_64& rng) {
   check_row_kernels<A, Eigen::half>(rng);
   check_row_kernels<A, Eigen::bfloat16>(rng);
   check_softmax_kernels<A>(rng);
+  check_row_dots<A>(rng);
   check_exp<A>();
   check_exp2<A>();
   check_softmax_tile<A>(rng);

@@ -251,7 +251,7 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
 }
 
 /// The float attention-mass path (see window_mass): window_exp_tiles_t, then pass 2,
-/// a[j] = Σ_r e^(shift_t[r] − M_r)/(G·Z_r) · X[j][r] by one dot product per key.
+/// a[j] = Σ_r e^(shift_t[r] − M_r)/(G·Z_r) · X[j][r], one weighted row sum per key (simd::row_dots).
 template <class Arch, class T>
 bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArguments& args, Vector<float>& mass,
                        WindowWorkspace<float>& ws) {
@@ -264,7 +264,7 @@ bool window_mass_fused(const LayerView<T>& layer, Index g, const AttentionArgume
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
     for (Index c = 0; c < Rp; ++c)
       ws.factor[c] = c < R ? std::exp(ws.shift(t, c) - ws.row_max[c]) / (ws.row_sum[c] * static_cast<float>(G)) : 0.0f;
-    for (Index j = j0; j < j0 + cnt; ++j) mass[j] = simd::dot<Arch>(ws.factor.data(), ws.exps.row(j).data(), Rp);
+    simd::row_dots<Arch>(ws.exps.row(j0).data(), Rp, cnt, ws.factor.data(), Rp, mass.data() + j0);
   }
   return finite;
 }

@@ -118,6 +118,49 @@ inline float dot(const float* x, const T* y, Index d) {
   return s;
 }
 
+/// How many rows ahead row_dots requests its rows.
+inline constexpr Index kRowDotsAhead = 8;
+
+/// out[j] = <w, x_j> for `rows` float rows x_j = x + j·ldx of `cols` elements (the attention-mass
+/// pass: one weighted sum per key over its row of the window workspace). Rows go in blocks of
+/// fbatch<A>::size: per row two accumulators over whole batches (even and odd batches, as simd::dot),
+/// added, then simd::haddp reduces the block's accumulators into one batch and the serial tail follows.
+/// A short last block repeats its last row, so every row gets the same arithmetic whatever its
+/// position; no horizontal sum per row. Rows are requested kRowDotsAhead rows ahead (the buffer is
+/// usually larger than L2). rows, cols >= 0; out must not overlap x or w.
+template <class A>
+inline void row_dots(const float* x, Index ldx, Index rows, const float* w, Index cols, float* out) {
+  using B = fbatch<A>;
+  constexpr Index S = B::size;
+  const Index body = cols - cols % S;
+  for (Index r0 = 0; r0 < rows; r0 += S) {
+    B acc[S];
+#pragma GCC unroll 16
+    for (Index k = 0; k < S; ++k) {
+      const float* xr = x + std::min(r0 + k, rows - 1) * ldx;
+      if (r0 + k + kRowDotsAhead < rows)
+        for (Index c = 0; c < cols; c += Index(64 / sizeof(float))) prefetch(xr + kRowDotsAhead * ldx + c);
+      B a0(0.0f), a1(0.0f);
+      Index c = 0;
+      for (; c + 2 * S <= body; c += 2 * S) {
+        a0 = simd::fma(B::load_unaligned(w + c), B::load_unaligned(xr + c), a0);
+        a1 = simd::fma(B::load_unaligned(w + c + S), B::load_unaligned(xr + c + S), a1);
+      }
+      if (c < body) a0 = simd::fma(B::load_unaligned(w + c), B::load_unaligned(xr + c), a0);
+      acc[k] = a0 + a1;
+    }
+    alignas(64) float sums[S];
+    simd::haddp<A>(acc).store_aligned(sums);
+    const Index live = std::min(S, rows - r0);
+    for (Index k = 0; k < live; ++k) {
+      const float* xr = x + (r0 + k) * ldx;
+      float s = sums[k];
+      for (Index c = body; c < cols; ++c) s += w[c] * xr[c];
+      out[r0 + k] = s;
+    }
+  }
+}
+
 /// Σ x_k² of one row of element type T.
 template <class A, class T>
 inline float sum_squares(const T* x, Index d) {

@@ -370,33 +370,38 @@ TEMPLATE_TEST_CASE("BucketRouter: crowded buckets (candidates in several SIMD gr
 
 namespace {
 
-/// detail::dots_against_n<A, 2> (two evicted tokens at once) against two calls of detail::dots_against:
-/// the same floats, bit for bit, for counts within one group of S/2 rows and across several, head
-/// dims with and without a serial tail, rows at any offset (some repeated).
-template <class A, class T>
-void check_dots_against_pair(std::mt19937_64& rng) {
+/// detail::dots_against_n<A, NY> (NY evicted tokens at once) against NY calls of detail::dots_against:
+/// the same floats, bit for bit, for counts within one group of S/NY rows and across several, head
+/// dims with and without a serial tail, rows at any offset (some repeated), some y repeated (as the
+/// router's short last group repeats its last token).
+template <class A, int NY, class T>
+void check_dots_against_n(std::mt19937_64& rng) {
   constexpr Index S = Index(simd::fbatch<A>::size);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
   for (Index d : {Index(128), Index(2 * S + 3), Index(S), Index(S - 1), Index(1)}) {
-    std::vector<T> pool(static_cast<std::size_t>((S + 3) * d + 1));
+    std::vector<T> pool(static_cast<std::size_t>((S + 3 + NY) * d + 1));
     for (auto& x : pool) x = T(u(rng));
     for (Index count = 1; count <= S + 3; ++count) {
       std::vector<const T*> rows;
       for (Index r = 0; r < count; ++r) rows.push_back(pool.data() + 1 + (r * 5 % (S + 1)) * d);  // unaligned, some repeated
-      const T* const y[2] = {pool.data() + 1 + (S + 1) * d, pool.data() + 1 + (S + 2) * d};
-      std::vector<float> a0(static_cast<std::size_t>(count)), a1(a0), b0(a0), b1(a0);
-      detail::dots_against<A>(rows.data(), count, y[0], d, a0.data());
-      detail::dots_against<A>(rows.data(), count, y[1], d, a1.data());
-      float* const out[2] = {b0.data(), b1.data()};
-      detail::dots_against_n<A, 2>(rows.data(), count, y, d, out);
-      INFO("lanes " << S << " d " << d << " count " << count);
-      CHECK(b0 == a0);
-      CHECK(b1 == a1);
+      const T* y[NY];
+      for (int t = 0; t < NY; ++t) y[t] = pool.data() + 1 + (S + 1 + std::min(t, std::max(NY - 2, 1))) * d;
+      std::vector<std::vector<float>> want(NY, std::vector<float>(static_cast<std::size_t>(count)));
+      std::vector<std::vector<float>> got(NY, std::vector<float>(static_cast<std::size_t>(count), -1.0f));
+      float* out[NY];
+      for (int t = 0; t < NY; ++t) {
+        detail::dots_against<A>(rows.data(), count, y[t], d, want[static_cast<std::size_t>(t)].data());
+        out[t] = got[static_cast<std::size_t>(t)].data();
+      }
+      detail::dots_against_n<A, NY>(rows.data(), count, y, d, out);
+      INFO("lanes " << S << " NY " << NY << " d " << d << " count " << count);
+      for (int t = 0; t < NY; ++t) CHECK(got[static_cast<std::size_t>(t)] == want[static_cast<std::size_t>(t)]);
       // and the dots are dots (the comparison above is not between two wrong answers)
       for (Index r = 0; r < count; ++r) {
-        double want = 0.0;
-        for (Index k = 0; k < d; ++k) want += double(to_real<float>(rows[r][k])) * double(to_real<float>(y[1][k]));
-        CHECK(std::abs(double(b1[r]) - want) <= 1e-4 * (1.0 + double(d)));
+        double exact = 0.0;
+        for (Index k = 0; k < d; ++k)
+          exact += double(to_real<float>(rows[r][k])) * double(to_real<float>(y[NY - 1][k]));
+        CHECK(std::abs(double(got[NY - 1][static_cast<std::size_t>(r)]) - exact) <= 1e-4 * (1.0 + double(d)));
       }
     }
   }
@@ -404,13 +409,16 @@ void check_dots_against_pair(std::mt19937_64& rng) {
 
 }  // namespace
 
-TEST_CASE("dots_against_n with two rows (two evicted tokens at once) gives dots_against's values bit for bit",
+TEST_CASE("dots_against_n with 2 or 4 rows (evicted tokens at once) gives dots_against's values bit for bit",
           "[router][simd]") {
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(331);
-  check_dots_against_pair<simd::default_arch, float>(rng);
-  check_dots_against_pair<simd::default_arch, Eigen::half>(rng);
+  check_dots_against_n<simd::default_arch, 2, float>(rng);
+  check_dots_against_n<simd::default_arch, 4, float>(rng);
+  check_dots_against_n<simd::default_arch, 2, Eigen::half>(rng);
+  check_dots_against_n<simd::default_arch, 4, Eigen::half>(rng);
 #if XSIMD_WITH_SSE2
-  check_dots_against_pair<xsimd::sse2, float>(rng);
+  check_dots_against_n<xsimd::sse2, 2, float>(rng);
+  check_dots_against_n<xsimd::sse2, 4, float>(rng);
 #endif
 }

@@ -38,10 +38,12 @@ namespace detail {
 /// the sum of row c against y[t], computed from that pair alone, in the same order for every lane),
 /// then the serial tail. A short last group is padded by repeating its last row. So every (row, y)
 /// pair gets the same arithmetic whatever its place among the rows and whatever NY — equal rows give
-/// bit-equal dots, which the router's tie rule depends on, and NY = 2 gives NY = 1's values. NY = 2
-/// serves two evicted tokens of a bucket at once: with AVX-512 and the default 32-token bucket at
-/// ratio 0.25 a bucket has about 8 candidates, which NY = 1 pads to 16 lanes for every token. The
-/// loops over the group are unrolled by pragma, so the accumulators stay in registers at -O2 as well.
+/// bit-equal dots, which the router's tie rule depends on, and every NY gives NY = 1's values. The
+/// router passes NY = 4 evicted tokens of a bucket at once with AVX-512 (BucketRouter::kGroup): a block
+/// of 4 tokens × 4 candidates loads 8 batches per 16 FMAs and pads the candidates to a multiple of 4
+/// only, where NY = 1 loads 17 per 16 and pads them to 16 (a default 32-token bucket at ratio 0.25 has
+/// about 8). The loops over the group are unrolled by pragma, so the accumulators stay in registers
+/// at -O2 as well.
 template <class A, int NY, class T>
 inline void dots_against_n(const T* const* rows, Index count, const T* const* y, Index d, float* const* out) {
   using B = simd::fbatch<A>;
@@ -109,6 +111,10 @@ struct BucketRouter {
 
   /// How far (in positions) key rows are requested ahead of the sweep.
   static constexpr Index kPrefetchRows = 32;
+  /// Evicted tokens whose key_cosine dots are computed together (float): 4 tokens × 4 candidates per
+  /// register block with 16-lane batches (8 loads per 16 FMAs, whatever the candidate count); 2 × 4
+  /// with 8-lane batches.
+  static constexpr int kGroup = simd::fbatch<simd::default_arch>::size >= 16 ? 4 : 2;
 
   Status validate() const {
     if (args.bucket < 0)
@@ -175,8 +181,9 @@ struct BucketRouter {
     Index lo = 0, hi = B > 0 ? 0 : m, bucket_start = -1;
     std::vector<const T*> cand_key;  // key rows in the cache
     std::vector<Real> inv_norm;      // 1 / ‖k_i‖, 0 for a zero-norm key
-    std::vector<float> dots, dots_next;  // dots_next: the dots of evicted index `paired`, computed early
-    std::size_t paired = evicted.size();  // none
+    // float: the dots of evicted indices [group_first, group_end) against the candidates, (kGroup, c)
+    std::vector<float> dots;
+    std::size_t group_first = 0, group_end = 0;
     Index mass_best = -1;            // window_mass: the bucket's argmax (independent of j)
     auto load_candidates = [&] {
       mass_best = -1;
@@ -184,8 +191,8 @@ struct BucketRouter {
       if (stat == RouteStatistic::key_cosine) {
         cand_key.resize(static_cast<std::size_t>(hi - lo));
         inv_norm.resize(static_cast<std::size_t>(hi - lo));
-        dots.resize(static_cast<std::size_t>(hi - lo));
-        dots_next.resize(static_cast<std::size_t>(hi - lo));
+        dots.resize(static_cast<std::size_t>(kGroup * (hi - lo)));
+        group_first = group_end = 0;  // none computed against these candidates
         for (Index i = lo; i < hi; ++i) {
           const T* k = ctx.key(kept[static_cast<std::size_t>(i)]);
           const Real nrm = detail::row_norm<Real>(k, d);
@@ -236,32 +243,36 @@ struct BucketRouter {
       Index best = lo;
       switch (stat) {
         case RouteStatistic::key_cosine: {
-          const T* kj = ctx.key(j);
           const Index c = hi - lo;
           Real best_stat;
           if constexpr (std::is_same_v<Real, float>) {
-            // Two evicted tokens of the same bucket at once when half a batch holds the candidates
-            // (dots_against_n<2>; bit-equal dots, so the same routing).
-            constexpr Index half = Index(simd::fbatch<simd::default_arch>::size / 2);
-            if (paired == e) {
-              dots.swap(dots_next);
-            } else if (c <= half && e + 1 < evicted.size() && (B == 0 || evicted[e + 1] < bucket_start + B)) {
-              const T* const ys[2] = {kj, ctx.key(evicted[e + 1])};
-              float* const outs[2] = {dots.data(), dots_next.data()};
-              detail::dots_against_n<simd::default_arch, 2>(cand_key.data(), c, ys, d, outs);
-              paired = e + 1;
-            } else {
-              detail::dots_against<simd::default_arch>(cand_key.data(), c, kj, d, dots.data());
+            // kGroup evicted tokens of the same bucket at once (dots_against_n<kGroup>; a short last
+            // group repeats its last token). Bit-equal dots for any grouping, so the same routing.
+            if (e < group_first || e >= group_end) {
+              group_first = e;
+              group_end = e + 1;
+              while (group_end < evicted.size() && group_end - e < std::size_t(kGroup) &&
+                     (B == 0 || evicted[group_end] < bucket_start + B))
+                ++group_end;
+              const T* ys[kGroup];
+              float* outs[kGroup];
+              for (int t = 0; t < kGroup; ++t) {
+                ys[t] = ctx.key(evicted[std::min(e + std::size_t(t), group_end - 1)]);
+                outs[t] = dots.data() + t * c;
+              }
+              detail::dots_against_n<simd::default_arch, kGroup>(cand_key.data(), c, ys, d, outs);
             }
-            best_stat = dots[0] * inv_norm[0];
+            const float* row = dots.data() + (e - group_first) * static_cast<std::size_t>(c);
+            best_stat = row[0] * inv_norm[0];
             for (Index i = 1; i < c; ++i) {
-              const Real s = dots[static_cast<std::size_t>(i)] * inv_norm[static_cast<std::size_t>(i)];
+              const Real s = row[i] * inv_norm[static_cast<std::size_t>(i)];
               if (s > best_stat) {
                 best_stat = s;
                 best = lo + i;
               }
             }
           } else {
+            const T* kj = ctx.key(j);
             best_stat = detail::dot_serial<Real>(cand_key[0], kj, d) * inv_norm[0];
             for (Index i = 1; i < c; ++i) {
               const Real s = detail::dot_serial<Real>(cand_key[static_cast<std::size_t>(i)], kj, d) *

@@ -8,12 +8,27 @@ namespace {
 using namespace kvc;
 using namespace kvc::bench;
 
-template <class Preset>
+/// The preset with its window product set to P; false (and the benchmark skipped with a message) when P
+/// is the AMX product and this process cannot run it, so that no row labelled AMX measures FMA.
+template <class Preset, WindowProduct P>
+bool make_preset(benchmark::State& state, Preset& preset) {
+  if (P == WindowProduct::amx_bf16x3 && !simd::amx_bf16_available()) {
+    state.SkipWithError("the AMX product cannot run in this process (CPU, OS or permission)");
+    return false;
+  }
+  typename Preset::Arguments args;
+  args.attention.product = P;
+  preset = Preset(args);
+  return true;
+}
+
+template <class Preset, WindowProduct P = WindowProduct::fma>
 void BM_Pipeline(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
   gemm_seconds(n);  // measure the baseline before the first timed run
   Preset preset;
+  if (!make_preset<Preset, P>(state, preset)) return;
   double total = 0;
   double peak_extra = 0;
   double cg_iterations = 0;
@@ -39,12 +54,13 @@ void BM_Pipeline(benchmark::State& state) {
 /// The steady state of an engine compressing layer after layer: run(layer, budget, out, ws) with the
 /// result and the workspace kept from the previous call (one untimed warm-up call fills them). Same
 /// x_gemm definition; `held_MB` = the memory kept between calls (result + workspace).
-template <class Preset>
+template <class Preset, WindowProduct P = WindowProduct::fma>
 void BM_PipelineReuse(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
   gemm_seconds(n);
   Preset preset;
+  if (!make_preset<Preset, P>(state, preset)) return;
   LayerResult<float> out;
   Workspace<float> ws;
   preset.run(layer, Budget::ratio(0.25), out, ws);
@@ -136,6 +152,11 @@ BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::StreamingLLM)->Apply(kvc::bench::layer
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SelKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKVGRKV)->Apply(kvc::bench::layer_sizes);
+// The opt-in AMX bf16x3 window product (AttentionArguments::product), where the process can run it.
+BENCHMARK_TEMPLATE2(BM_Pipeline, kvc::SnapKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE2(BM_Pipeline, kvc::SelKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE2(BM_PipelineReuse, kvc::SnapKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE2(BM_PipelineReuse, kvc::SelKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineThreads, kvc::SnapKV)->Apply(thread_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineThreads, kvc::SelKV)->Apply(thread_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineThreads, kvc::SnapKVGRKV)->Apply(thread_sizes);

@@ -7,6 +7,7 @@
 
 #include "kvcompress/core.hpp"
 #include "kvcompress/detail/rows.hpp"
+#include "kvcompress/simd/amx_window.hpp"
 #include "kvcompress/simd/kernels.hpp"
 #include "kvcompress/simd/window_gemm.hpp"
 
@@ -17,10 +18,24 @@
 
 namespace kvc {
 
+/// The arithmetic of the window product <q, k> in the float attention-mass path (window_mass, which
+/// SnapKV, SelKV and every preset that scores by window attention run).
+enum class WindowProduct {
+  fma,        ///< float FMA (simd::window_logits_t): the default
+  amx_bf16x3  ///< Intel AMX tiles, each float split into two bf16, three products (simd/amx_window.hpp):
+              ///< about ten times the float product's error, a quarter to half of its time where
+              ///< available; float FMA elsewhere (simd::amx_bf16_available(), amx_shape_supported())
+};
+
+inline const char* to_string(WindowProduct p) { return p == WindowProduct::fma ? "fma" : "amx_bf16x3"; }
+
 /// How logits are formed: `scale * <q, k>`, then the optional tanh soft-cap `c * tanh(x / c)`.
 struct AttentionArguments {
   double scale = 0.0;    ///< 0 means 1/sqrt(d)
   double softcap = 0.0;  ///< 0 means off
+  /// Opt-in AMX bf16x3 product for float keys (see WindowProduct); asking for it requests the AMX
+  /// tile-data permission for the process on its first use (simd::amx_bf16_available()).
+  WindowProduct product = WindowProduct::fma;
 
   Status validate() const {
     if (!(scale >= 0.0) || !std::isfinite(scale))
@@ -55,11 +70,13 @@ struct WindowWorkspace {
   Vector<Real> factor;       // (Rp) per-tile rescaling factors (mass path)
   Vector<Real> tile_max;     // (Rp) lane maxima of the current tile, from the product (mass path)
   std::vector<Index> live;   // (R) visible columns of the current tile
+  simd::AmxQueries amx;      // queries as AMX tiles, (Rp·d) bf16 twice + a 16-key staging block (AMX product)
 
   std::size_t bytes() const {
     const auto b = [](const auto& m) { return static_cast<std::size_t>(m.size()) * sizeof(Real); };
     return b(queries) + b(packed) + b(exps) + b(key_tile) + b(shift) + b(row_max) + b(row_sum) +
-           b(lane_last) + b(factor) + b(tile_max) + live.capacity() * sizeof(Index);
+           b(lane_last) + b(factor) + b(tile_max) + live.capacity() * sizeof(Index) +
+           (amx.hi.capacity() + amx.lo.capacity() + amx.staging.capacity()) * sizeof(std::uint16_t);
   }
 };
 
@@ -207,8 +224,8 @@ namespace detail {
 
 /// Pass 1 of the float attention-mass path (see window_mass): per tile of keys, the transposed logits
 /// X[j][r] = scale·<q_r, k_j> by simd::window_logits_t (keys broadcast from the caller's rows, queries
-/// packed once), then the online causal softmax epilogue simd::softmax_tile_t on the tile while it is
-/// in cache. Leaves in `ws` the exponentials (n, Rp), each tile's shift, and the final row maxima and
+/// packed once), or by simd::amx_window_logits_t when args.product asks for it and it can run, then the
+/// online causal softmax epilogue simd::softmax_tile_t on the tile while it is in cache. Leaves in `ws` the exponentials (n, Rp), each tile's shift, and the final row maxima and
 /// sums. Returns false when a logit was NaN or ±Inf.
 template <class Arch, class T>
 bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArguments& args, WindowWorkspace<float>& ws) {
@@ -228,17 +245,28 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   ws.tile_max.resize(Rp);
   for (Index c = 0; c < Rp; ++c) ws.lane_last[c] = static_cast<float>(c < R ? c % W : W);
   if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
+  // The opt-in AMX product: float keys, d a multiple of 32, Rp of 16, and AMX in this process.
+  bool amx = false;
+  if constexpr (std::is_same_v<T, float>)
+    amx = args.product == WindowProduct::amx_bf16x3 && simd::amx_shape_supported(d, Rp) &&
+          simd::amx_bf16_available();
+  if (amx)
+    simd::amx_pack_queries(ws.queries.data(), d, R, Rp, d, static_cast<float>(args.resolved_scale(d)), ws.amx);
   bool finite = true;
   for (Index t = 0; t < tiles; ++t) {
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
     float* x = ws.exps.row(j0).data();
     const bool masked = j0 + cnt > base;
     // The product's lane maxima spare the softmax a pass, except where it masks or soft-caps.
-    float* tile_max = masked || cap > 0.0f ? nullptr : ws.tile_max.data();
+    float* tile_max = masked || cap > 0.0f || amx ? nullptr : ws.tile_max.data();
     if constexpr (std::is_same_v<T, float>) {
-      const Index next = std::min(kSoftmaxTile, n - j0 - cnt);  // rows of the next tile, prefetched
-      simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
-                                  x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next, tile_max);
+      if (amx) {
+        simd::amx_window_logits_t(layer.keys.row(g, j0), layer.keys.token_stride, cnt, ws.amx, x, Rp, n - j0);
+      } else {
+        const Index next = std::min(kSoftmaxTile, n - j0 - cnt);  // rows of the next tile, prefetched
+        simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
+                                    x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next, tile_max);
+      }
     } else {
       auto keys = ws.key_tile.topRows(cnt);
       gather_rows<float>(layer.keys, g, j0, cnt, keys);

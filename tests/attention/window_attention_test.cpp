@@ -386,3 +386,37 @@ TEST_CASE("window outputs from the mass workspace equal the reference A·V", "[a
     }
   }
 }
+
+TEST_CASE("the AMX window product falls back to float FMA where it cannot run, bit for bit", "[attention][amx]") {
+  // Everywhere: d = 20 (not a multiple of 32) and half keys always take the FMA kernel; where this
+  // process cannot use AMX (simd::amx_bf16_available() false), d = 32 float keys do too.
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(113);
+  AttentionArguments amx;
+  amx.product = WindowProduct::amx_bf16x3;
+  const long Hkv = 2, G = 2, n = 77, W = 8;
+  CHECK(window_product_in_effect(amx, 20, G * W) == WindowProduct::fma);
+  CHECK(window_product_in_effect(AttentionArguments{}, 32, G * W) == WindowProduct::fma);
+  CHECK(window_product_in_effect(amx, 32, G * W) ==
+        (simd::amx_bf16_available() ? WindowProduct::amx_bf16x3 : WindowProduct::fma));
+  for (long d : {20L, 32L}) {
+    const ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d);
+    const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
+    const ref::Tensor3 Q = kvc::test::random_tensor(rng, Hkv * G, W, d);
+    kvc::test::LayerBuffers<float> f(K, V, Q, Layout::head_major);
+    kvc::test::LayerBuffers<Eigen::half> h(K, V, Q, Layout::head_major);
+    WindowWorkspace<float> ws;
+    for (Index g = 0; g < Hkv; ++g) {
+      INFO("d " << d << " head " << g);
+      Vector<float> fma, other;
+      window_mass<float>(h.view(), g, AttentionArguments{}, fma, ws);
+      window_mass<float>(h.view(), g, amx, other, ws);
+      CHECK((fma.array() == other.array()).all());  // half keys: FMA whatever is asked
+      if (window_product_in_effect(amx, d, G * W) == WindowProduct::fma) {
+        window_mass<float>(f.view(), g, AttentionArguments{}, fma, ws);
+        window_mass<float>(f.view(), g, amx, other, ws);
+        CHECK((fma.array() == other.array()).all());
+      }
+    }
+  }
+}

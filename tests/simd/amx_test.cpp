@@ -1,7 +1,8 @@
 // The opt-in AMX bf16x3 window product (simd/amx_window.hpp, AttentionArguments::product): its logits
-// against double within the bound of its header, its attention mass against the double reference, the
-// float FMA fallback where it cannot run, non-finite keys, and a whole SnapKV run. Reported as skipped
-// (exit 77, with a message) where this process cannot use AMX.
+// against double within the bound of its header, its attention mass against the double reference,
+// non-finite keys, and a whole SnapKV run. Reported as skipped (exit 77, with a message) where this
+// process cannot use AMX; the fallback to the FMA product is tested everywhere, in
+// window_attention_test.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
@@ -90,50 +91,25 @@ TEST_CASE("window_mass with the AMX product matches the double reference", "[amx
       kvc::test::LayerBuffers<float> b(K, V, Q, Layout::head_major);
       const auto probs = ref::window_probs(Q, K, 1.0 / std::sqrt(double(d)), 0.0);
       const Eigen::MatrixXd want = ref::window_mass(probs, Hkv);
+      REQUIRE(window_product_in_effect(amx_args(), d, G * W) == WindowProduct::amx_bf16x3);
       WindowWorkspace<float> ws;
       for (Index g = 0; g < Hkv; ++g) {
-        Vector<float> mass;
+        Vector<float> mass, fma;
         REQUIRE(window_mass<float>(b.view(), g, amx_args(), mass, ws));
+        window_mass<float>(b.view(), g, AttentionArguments{}, fma, ws);
+        CHECK_FALSE((mass.array() == fma.array()).all());  // the AMX product ran (its rounding differs)
         const Eigen::VectorXd want_g = want.row(g).transpose();
-        CHECK(kvc::test::elementwise_ratio(mass, want_g, kTol.amx_bf16x3.mass) <= 1.0);
-        CHECK(kvc::test::normwise_error(mass, want_g) <= kTol.amx_bf16x3.mass.norm);
+        CHECK(kvc::test::elementwise_ratio(mass, want_g, kTol.amx_bf16x3_mass) <= 1.0);
+        CHECK(kvc::test::normwise_error(mass, want_g) <= kTol.amx_bf16x3_mass.norm);
       }
     }
-}
-
-TEST_CASE("the AMX product falls back to float FMA where it cannot run, bit for bit", "[amx][attention]") {
-  INFO("seed " << kvc::test::test_seed());
-  auto rng = kvc::test::make_rng(903);
-  // d = 20 is not a multiple of 32; half keys are converted tile by tile: both take the FMA kernel.
-  const long Hkv = 2, G = 2, n = 77, W = 8, d = 20;
-  const ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d);
-  const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
-  const ref::Tensor3 Q = kvc::test::random_tensor(rng, Hkv * G, W, d);
-  kvc::test::LayerBuffers<float> b(K, V, Q, Layout::head_major);
-  WindowWorkspace<float> ws;
-  for (Index g = 0; g < Hkv; ++g) {
-    Vector<float> fma, amx;
-    window_mass<float>(b.view(), g, AttentionArguments{}, fma, ws);
-    window_mass<float>(b.view(), g, amx_args(), amx, ws);
-    CHECK((fma.array() == amx.array()).all());
-  }
-  const ref::Tensor3 K32 = kvc::test::random_tensor(rng, Hkv, n, 32);
-  const ref::Tensor3 V32 = kvc::test::random_tensor(rng, Hkv, n, 32);
-  const ref::Tensor3 Q32 = kvc::test::random_tensor(rng, Hkv * G, W, 32);
-  kvc::test::LayerBuffers<Eigen::half> h(K32, V32, Q32, Layout::head_major);
-  WindowWorkspace<float> wh;
-  for (Index g = 0; g < Hkv; ++g) {
-    Vector<float> fma, amx;
-    window_mass<float>(h.view(), g, AttentionArguments{}, fma, wh);
-    window_mass<float>(h.view(), g, amx_args(), amx, wh);
-    CHECK((fma.array() == amx.array()).all());
-  }
 }
 
 TEST_CASE("with the AMX product a non-finite key still shows in the logits", "[amx][errors]") {
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(904);
   const long Hkv = 1, G = 4, n = 50, W = 8, d = 64;
+  REQUIRE(window_product_in_effect(amx_args(), d, G * W) == WindowProduct::amx_bf16x3);
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d);
     const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
@@ -155,6 +131,7 @@ TEST_CASE("SnapKV with the AMX product keeps the budget and scores like the FMA 
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(905);
   const long Hkv = 2, G = 4, n = 600, W = 32, d = 128;
+  REQUIRE(window_product_in_effect(amx_args(), d, G * W) == WindowProduct::amx_bf16x3);
   const ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d, 1.5);
   const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
   const ref::Tensor3 Q = kvc::test::random_tensor(rng, Hkv * G, W, d, 1.5);

@@ -23,8 +23,10 @@ namespace kvc {
 enum class WindowProduct {
   fma,        ///< float FMA (simd::window_logits_t): the default
   amx_bf16x3  ///< Intel AMX tiles, each float split into two bf16, three products (simd/amx_window.hpp):
-              ///< about ten times the float product's error, a quarter to half of its time where
-              ///< available; float FMA elsewhere (simd::amx_bf16_available(), amx_shape_supported())
+              ///< about ten times the float product's error; the window stage in about 0.7 of its FMA
+              ///< time on the benchmark VM. Float FMA where it cannot run (window_product_in_effect).
+              ///< Everything computed from the window exponentials carries its error: the mass and,
+              ///< for RidgeMerge, the window outputs Y.
 };
 
 inline const char* to_string(WindowProduct p) { return p == WindowProduct::fma ? "fma" : "amx_bf16x3"; }
@@ -51,6 +53,18 @@ struct AttentionArguments {
 
 namespace detail {
 inline constexpr Index kKeyTile = 256;  // keys converted per tile for half/bfloat16 input
+}
+
+/// The product window_mass uses under `args` for a head dimension d and R = G·W window query rows
+/// when the keys are float (other key types always use fma): amx_bf16x3 when asked for and it can run
+/// here (d a multiple of 32, the padded row count a multiple of 16, simd::amx_bf16_available(), which
+/// requests the AMX permission on its first call), else fma.
+inline WindowProduct window_product_in_effect(const AttentionArguments& args, Index d, Index R) {
+  return args.product == WindowProduct::amx_bf16x3 &&
+                 simd::amx_shape_supported(d, simd::padded_queries<simd::default_arch>(R)) &&
+                 simd::amx_bf16_available()
+             ? WindowProduct::amx_bf16x3
+             : WindowProduct::fma;
 }
 
 /// Scratch memory of the float window-attention path for one KV head at a time; reuse one per thread
@@ -225,8 +239,9 @@ namespace detail {
 /// Pass 1 of the float attention-mass path (see window_mass): per tile of keys, the transposed logits
 /// X[j][r] = scale·<q_r, k_j> by simd::window_logits_t (keys broadcast from the caller's rows, queries
 /// packed once), or by simd::amx_window_logits_t when args.product asks for it and it can run, then the
-/// online causal softmax epilogue simd::softmax_tile_t on the tile while it is in cache. Leaves in `ws` the exponentials (n, Rp), each tile's shift, and the final row maxima and
-/// sums. Returns false when a logit was NaN or ±Inf.
+/// online causal softmax epilogue simd::softmax_tile_t on the tile while it is in cache. Leaves in
+/// `ws` the exponentials (n, Rp), each tile's shift, and the final row maxima and sums. Returns false
+/// when a logit was NaN or ±Inf.
 template <class Arch, class T>
 bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArguments& args, WindowWorkspace<float>& ws) {
   const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
@@ -234,9 +249,18 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   const Index tiles = (n + kSoftmaxTile - 1) / kSoftmaxTile, base = n - W;
   const float cap = static_cast<float>(args.softcap);
   ws.queries = gather_group_queries<float>(layer, g);  // (R, d)
-  ws.packed.resize(Rp * d);
-  simd::pack_queries<Arch>(ws.queries.data(), d, R, d, static_cast<float>(args.resolved_scale(d)),
-                           ws.packed.data());
+  // The opt-in AMX product (float keys only), else the FMA kernel's query panels.
+  bool amx = false;
+  if constexpr (std::is_same_v<T, float>)
+    amx = Rp == simd::padded_queries<simd::default_arch>(R) &&
+          window_product_in_effect(args, d, R) == WindowProduct::amx_bf16x3;
+  if (amx) {
+    simd::amx_pack_queries(ws.queries.data(), d, R, Rp, d, static_cast<float>(args.resolved_scale(d)), ws.amx);
+  } else {
+    ws.packed.resize(Rp * d);
+    simd::pack_queries<Arch>(ws.queries.data(), d, R, d, static_cast<float>(args.resolved_scale(d)),
+                             ws.packed.data());
+  }
   resize_advised(ws.exps, n, Rp);
   ws.shift.resize(tiles, Rp);
   ws.row_max.setConstant(Rp, -std::numeric_limits<float>::infinity());
@@ -245,13 +269,6 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   ws.tile_max.resize(Rp);
   for (Index c = 0; c < Rp; ++c) ws.lane_last[c] = static_cast<float>(c < R ? c % W : W);
   if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
-  // The opt-in AMX product: float keys, d a multiple of 32, Rp of 16, and AMX in this process.
-  bool amx = false;
-  if constexpr (std::is_same_v<T, float>)
-    amx = args.product == WindowProduct::amx_bf16x3 && simd::amx_shape_supported(d, Rp) &&
-          simd::amx_bf16_available();
-  if (amx)
-    simd::amx_pack_queries(ws.queries.data(), d, R, Rp, d, static_cast<float>(args.resolved_scale(d)), ws.amx);
   bool finite = true;
   for (Index t = 0; t < tiles; ++t) {
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);

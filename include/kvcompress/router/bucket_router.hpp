@@ -112,8 +112,8 @@ struct BucketRouter {
   /// How far (in positions) key rows are requested ahead of the sweep.
   static constexpr Index kPrefetchRows = 32;
   /// Evicted tokens whose key_cosine dots are computed together (float): 4 tokens × 4 candidates per
-  /// register block with 16-lane batches (8 loads per 16 FMAs, whatever the candidate count); 2 × 4
-  /// with 8-lane batches.
+  /// register block with 16-lane batches (8 loads per 16 FMAs, whatever the candidate count); 2 tokens
+  /// × 4 candidates with 8-lane batches, 2 × 2 with 4-lane ones.
   static constexpr int kGroup = simd::fbatch<simd::default_arch>::size >= 16 ? 4 : 2;
 
   Status validate() const {

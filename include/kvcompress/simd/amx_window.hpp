@@ -3,17 +3,22 @@
 // operand split as x = hi + lo (two bf16) and the product taken as hi·hi + hi·lo + lo·hi ("bf16x3").
 // Opt-in (AttentionArguments::product = WindowProduct::amx_bf16x3); the default product is float FMA.
 //
-// Accuracy: x − hi − lo is below 2^-16·|x|, and the dropped lo·lo term below 2^-16·|q_c·k_c|, so each
-// logit is within about 2^-14 · scale · Σ_c |q_c·k_c| of the exact value (tests/simd/amx_test.cpp checks
-// that bound against double): about ten times the float product's error on the benchmark's layer
-// (1.4e-5 against 1.5e-6 on logits up to 4). AMX treats bf16 denormals as zero; a key or query with
-// components beyond ±3.39e38 rounds to ±Inf in bf16, which the pipeline reports as an overflow.
+// Accuracy: hi is x rounded to bf16 (|x − hi| <= 2^-9·|x|) and lo the rest rounded to bf16, so
+// x = hi + lo + e with |e| <= 2^-18·|x|; the terms left out (lo·lo and those with e) are below
+// 3·2^-18·|q_c·k_c| (plus higher order), and AMX adds the 3d products in float, at most 3d·2^-24 of
+// Σ_c |q_c·k_c| in all. A logit is thus within (3·2^-18 + 3d·2^-24) · Σ_c |scale·q_c·k_c| of the exact
+// value, which is below 2^-14 · Σ_c |scale·q_c·k_c| for d <= 256: the bound tests/simd/amx_test.cpp
+// checks against double (measured: under a tenth of it). Against the float product's error, about ten
+// times on the benchmark's layer (1.4e-5 against 1.5e-6 on logits up to 4). AMX treats bf16 denormals as
+// zero (an absolute error of order 2^-126 per component); a component beyond ±3.39e38 rounds to ±Inf
+// in bf16, which the pipeline reports as an overflow.
 //
-// Availability: x86-64 Linux with GCC or Clang (the functions carry their own target attributes, so
-// no compile flag is needed), a CPU with AMX-TILE, AMX-BF16 and AVX512-BF16, and the kernel's
-// permission for AMX tile data, which amx_bf16_available() requests once per process
-// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), Linux >= 5.16): a process-wide side effect of
-// asking for the AMX product, documented in README.md. Elsewhere amx_bf16_available() is false.
+// Availability: x86-64 Linux with GCC >= 11 (the functions carry their own target attributes, so no
+// compile flag is needed; other compilers get the float product), a CPU with AMX-TILE, AMX-BF16 and
+// AVX512-BF16, and the kernel's permission for AMX tile data, which amx_bf16_available() requests
+// once per process (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), Linux >= 5.16): a
+// process-wide side effect, documented in README.md, taken only when the AMX product is asked for
+// and the shape qualifies. Elsewhere amx_bf16_available() is false.
 #pragma once
 
 #include "kvcompress/simd/xsimd_compat.hpp"
@@ -22,8 +27,20 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+// GCC only for now: Clang 18-21 need an extra "evex512" target feature for AVX-512 code in target
+// attributes, which this has not been built with.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && \
+    defined(__has_include)
+#if __has_include(<amxtileintrin.h>) && __has_include(<avx512bf16intrin.h>)
 #define KVC_DETAIL_AMX 1
+#else
+#define KVC_DETAIL_AMX 0
+#endif
+#else
+#define KVC_DETAIL_AMX 0
+#endif
+
+#if KVC_DETAIL_AMX
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -31,8 +48,6 @@
 
 #include <algorithm>
 #include <cstring>
-#else
-#define KVC_DETAIL_AMX 0
 #endif
 
 namespace kvc::simd {
@@ -43,7 +58,8 @@ using Index = std::ptrdiff_t;
 /// head dimensions, 16 rows of (dimension pair) × 32 bf16 (16 queries × the pair), hi and lo parts.
 struct AmxQueries {
   std::vector<std::uint16_t> hi, lo;
-  std::vector<std::uint16_t> staging;  ///< the converted keys of one block of 16 (amx_window_logits_t)
+  std::vector<std::uint16_t> staging;  ///< scratch of amx_window_logits_t (one block of 16 converted keys):
+                                       ///< one AmxQueries per thread
   Index groups = 0;                    ///< Rp / 16
   Index chunks = 0;                    ///< d / 32
 };
@@ -68,11 +84,17 @@ struct alignas(64) AmxTileConfig {
   }
 };
 
+// x (16 floats) -> hi = x rounded to bf16, lo = (x − hi) rounded to bf16. bf16 -> float by the masked
+// (zeroing) widen and shift: GCC 12's unmasked forms (_mm512_cvtpbh_ps) use _mm512_undefined_epi32,
+// which warns "may be used uninitialized" (GCC bug 105593) in every file that includes this header.
 __attribute__((target("avx512f,avx512bf16"))) inline void amx_split16(const float* x, std::uint16_t* hi,
                                                                         std::uint16_t* lo) {
   const __m512 v = _mm512_loadu_ps(x);
   const __m256bh h = _mm512_cvtneps_pbh(v);
-  const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, _mm512_cvtpbh_ps(h)));
+  __m256i h_bits;
+  std::memcpy(&h_bits, &h, sizeof(h_bits));
+  const __m512i h_wide = _mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, h_bits), 16);
+  const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, _mm512_castsi512_ps(h_wide)));
   std::memcpy(hi, &h, 32);
   std::memcpy(lo, &l, 32);
 }
@@ -135,13 +157,16 @@ __attribute__((target("avx512f,avx512bf16"))) inline void amx_pack_queries(const
 
 /// x[j·ldx + r] = the bf16x3 product <q_r, k_j> for `count` key rows (keys + j·ldk, float, d = 32·chunks)
 /// and every padded query r < Rp = 16·groups of `q`: what window_logits_t computes, to the accuracy in
-/// this file's header. Key rows of the next 2 blocks of 16 are requested ahead (to L2); rows up to
+/// this file's header. At each block of 16 keys the block two ahead is requested (to L2); rows up to
 /// `prefetch_end` (count ≤ prefetch_end, relative to `keys`) may be requested.
 /// Needs amx_bf16_available() (the caller checks) and q from amx_pack_queries (its staging is scratch).
 __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) inline void amx_window_logits_t(
     const float* keys, Index ldk, Index count, AmxQueries& q, float* x, Index ldx, Index prefetch_end) {
   const Index chunks = q.chunks, groups = q.groups, d = 32 * chunks;
   const detail::AmxTileConfig config;
+  // GCC's tile intrinsics are asm statements that do not tell the compiler they read memory (tile
+  // loads, the configuration): these barriers keep the preceding writes before them.
+  __asm__ volatile("" ::: "memory");
   _tile_loadconfig(&config);
   // The converted keys of one block of 16: per chunk an A tile (16 keys × 32 bf16), hi and lo.
   std::vector<std::uint16_t>& staging = q.staging;
@@ -166,6 +191,7 @@ __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) inline void amx_
           std::memset(lo, 0, 64);
         }
       }
+    __asm__ volatile("" ::: "memory");  // the staging writes above precede the tile loads below
     // Two groups of 16 queries at a time: tiles 0, 1 accumulate, 2, 3 hold the keys' hi and lo,
     // 4, 5 the first group's hi and lo, 6, 7 the second's.
     for (Index g = 0; g < groups; g += 2) {
@@ -206,7 +232,7 @@ __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) inline void amx_
   _tile_release();
 }
 
-#else  // no AMX on this platform
+#else  // no AMX with this platform or compiler: never available, so the functions below are never called
 
 inline bool amx_bf16_available() { return false; }
 inline void amx_pack_queries(const float*, Index, Index, Index, Index, float, AmxQueries&) {}

@@ -90,7 +90,7 @@ struct WindowWorkspace {
     const auto b = [](const auto& m) { return static_cast<std::size_t>(m.size()) * sizeof(Real); };
     return b(queries) + b(packed) + b(exps) + b(key_tile) + b(shift) + b(row_max) + b(row_sum) +
            b(lane_last) + b(factor) + b(tile_max) + live.capacity() * sizeof(Index) +
-           (amx.hi.capacity() + amx.lo.capacity() + amx.staging.capacity()) * sizeof(std::uint16_t);
+           amx.storage.capacity() * sizeof(std::uint16_t);
   }
 };
 

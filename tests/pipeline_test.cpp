@@ -273,6 +273,48 @@ TEST_CASE("attention options reach every stage", "[pipeline][options]") {
   check_preset<SelKV, float>("SelKV(options)", spec, f, Layout::token_major, kTol.float_vs_double, args);
 }
 
+TEST_CASE("the result records the window product that ran", "[pipeline][amx]") {
+  // AttentionArguments::product = amx_bf16x3 is a request: the result says what stage 1 ran. d = 20
+  // (not a multiple of 32), half and double keys, and presets without a window stage always run fma;
+  // d = 32 float keys run AMX exactly where this process can (simd::amx_bf16_available()).
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(2718);
+  const long Hkv = 2, G = 2, n = 64, W = 8;
+  for (long d : {20L, 32L}) {
+    INFO("d " << d);
+    const ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, n, d);
+    const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, n, d);
+    const ref::Tensor3 Q = kvc::test::random_tensor(rng, Hkv * G, W, d);
+    kvc::test::LayerBuffers<float> f(K, V, Q, Layout::head_major);
+    kvc::test::LayerBuffers<Eigen::half> h(K, V, Q, Layout::head_major);
+    kvc::test::LayerBuffers<double> x(K, V, Q, Layout::head_major);
+    SnapKV::Arguments snap;
+    snap.attention.product = WindowProduct::amx_bf16x3;
+    const bool amx_here = d % 32 == 0 && simd::amx_bf16_available();
+    CHECK(SnapKV(snap).run(f.view(), Budget::ratio(0.5)).window_product ==
+          (amx_here ? WindowProduct::amx_bf16x3 : WindowProduct::fma));
+    CHECK(SnapKV{}.run(f.view(), Budget::ratio(0.5)).window_product == WindowProduct::fma);
+    CHECK(SnapKV(snap).run(h.view(), Budget::ratio(0.5)).window_product == WindowProduct::fma);
+    CHECK(SnapKV(snap).run(x.view(), Budget::ratio(0.5)).window_product == WindowProduct::fma);
+    SelKV::Arguments sel;
+    sel.attention.product = WindowProduct::amx_bf16x3;
+    sel.threads = 2;
+    CHECK(SelKV(sel).run(f.view(), Budget::ratio(0.5)).window_product ==
+          (amx_here ? WindowProduct::amx_bf16x3 : WindowProduct::fma));
+    StreamingLLM::Arguments stream;  // no window stage at all
+    stream.attention.product = WindowProduct::amx_bf16x3;
+    CHECK(StreamingLLM(stream).run(f.view(), Budget::ratio(0.5)).window_product == WindowProduct::fma);
+    // A reused result is overwritten, in both directions.
+    LayerResult<float> out;
+    Workspace<float> ws;
+    SnapKV(snap).run(f.view(), Budget::ratio(0.5), out, ws);
+    SnapKV{}.run(f.view(), Budget::ratio(0.5), out, ws);
+    CHECK(out.window_product == WindowProduct::fma);
+    SnapKV(snap).run(f.view(), Budget::ratio(0.5), out, ws);
+    CHECK(out.window_product == (amx_here ? WindowProduct::amx_bf16x3 : WindowProduct::fma));
+  }
+}
+
 TEMPLATE_TEST_CASE("m >= n is the identity", "[pipeline][identity]", float, double, Eigen::half) {
   using T = TestType;
   using Real = compute_t<T>;

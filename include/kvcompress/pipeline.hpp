@@ -394,6 +394,10 @@ class Pipeline {
       }
       scorer().score(layer, g, mass[g], score[g]);
     });
+    // The same condition window_exp_tiles_t applies: only float keys on the float path can take AMX.
+    result.window_product = WindowProduct::fma;
+    if constexpr (kNeedsMass && std::is_same_v<T, float>)
+      result.window_product = window_product_in_effect(args_.attention, d, layer.group_size() * layer.window());
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(scratch);  // one-shot run(): free it now
     if (args_.check_finite) check_folded_scans(layer, finite, values_finite, score);
 

@@ -4,6 +4,7 @@
 #define KVC_INTERNAL_INCLUDE
 #endif
 
+#include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 #include "kvcompress/policy.hpp"
 
@@ -30,6 +31,11 @@ struct LayerResult {
   std::vector<HeadResult<Real>> heads;
   Index next_position = 0;
   bool shared_positions = false;  ///< every head kept the same positions (shared selection)
+  /// The arithmetic of the window product that stage 1 actually ran: amx_bf16x3 only when
+  /// AttentionArguments::product asked for it and it could run (float keys and
+  /// window_product_in_effect), else fma, also when no stage computed window attention. A caller that
+  /// needs the AMX path (or must not get it) checks this after the call.
+  WindowProduct window_product = WindowProduct::fma;
 
   /// Largest m_g over heads (the cache length an engine needs for this layer).
   Index max_size() const {

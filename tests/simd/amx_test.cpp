@@ -141,6 +141,8 @@ TEST_CASE("SnapKV with the AMX product keeps the budget and scores like the FMA 
   const auto amx = SnapKV(args).run(b.view(), Budget::ratio(0.25));
   const auto fma = SnapKV{}.run(b.view(), Budget::ratio(0.25));
   REQUIRE(amx.heads.size() == std::size_t(Hkv));
+  CHECK(amx.window_product == WindowProduct::amx_bf16x3);
+  CHECK(fma.window_product == WindowProduct::fma);
   long same = 0, total = 0;
   for (std::size_t g = 0; g < amx.heads.size(); ++g) {
     CHECK(amx.heads[g].size() == n / 4);

@@ -27,6 +27,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace kvc::bench {
 
@@ -241,6 +244,31 @@ inline void set_layer_counters(benchmark::State& state, Index n, double seconds_
   state.counters["gemm_ms"] = gemm_seconds(n) * 1e3;
   state.counters["x_gemm"] = seconds_per_iter / gemm_seconds(n);
   if (huge_pages_requested()) state.counters["huge_frac"] = layer_huge_fraction(n);
+}
+
+/// False, with the benchmark marked as an error, when the window product P cannot run in this process
+/// (the opt-in AMX product needs the CPU, the OS and the process's tile-data permission; see
+/// simd::amx_bf16_available). The float FMA product always runs.
+inline bool skip_unless_available(benchmark::State& state, WindowProduct P) {
+  if (P != WindowProduct::amx_bf16x3 || simd::amx_bf16_available()) return true;
+  state.SkipWithError("the AMX product cannot run in this process (CPU, OS or permission)");
+  return false;
+}
+
+/// Evicts [p, p + bytes) from every cache level (clflush, x86-64 only; elsewhere a no-op that returns
+/// false): the state a buffer is in when a pass over other memory ran since it was last touched.
+inline bool evict_from_caches(const void* p, std::size_t bytes) {
+#if defined(__SSE2__)
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t i = 0; i < bytes; i += 64) _mm_clflush(c + i);
+  if (bytes > 0) _mm_clflush(c + bytes - 1);
+  _mm_mfence();
+  return true;
+#else
+  (void)p;
+  (void)bytes;
+  return false;
+#endif
 }
 
 }  // namespace kvc::bench

@@ -12,10 +12,7 @@ using namespace kvc::bench;
 /// is the AMX product and this process cannot run it, so that no row labelled AMX measures FMA.
 template <class Preset, WindowProduct P>
 bool make_preset(benchmark::State& state, Preset& preset) {
-  if (P == WindowProduct::amx_bf16x3 && !simd::amx_bf16_available()) {
-    state.SkipWithError("the AMX product cannot run in this process (CPU, OS or permission)");
-    return false;
-  }
+  if (!skip_unless_available(state, P)) return false;
   typename Preset::Arguments args;
   args.attention.product = P;
   preset = Preset(args);

@@ -17,9 +17,13 @@ void* __libc_memalign(std::size_t, std::size_t);
 namespace {
 std::atomic<std::size_t> g_live{0};
 std::atomic<std::size_t> g_peak{0};
+std::atomic<std::size_t> g_count{0};  // allocations made (malloc, calloc, realloc, aligned), cumulative
+std::atomic<std::size_t> g_total{0};  // their bytes, cumulative
 
 void note_alloc(void* p) {
   if (!p) return;
+  g_count.fetch_add(1, std::memory_order_relaxed);
+  g_total.fetch_add(malloc_usable_size(p), std::memory_order_relaxed);
   const std::size_t now = g_live.fetch_add(malloc_usable_size(p), std::memory_order_relaxed) + malloc_usable_size(p);
   std::size_t peak = g_peak.load(std::memory_order_relaxed);
   while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
@@ -69,4 +73,6 @@ namespace kvc::bench {
 std::size_t live_bytes() { return g_live.load(); }
 std::size_t peak_bytes() { return g_peak.load(); }
 void reset_peak() { g_peak.store(g_live.load()); }
+std::size_t allocation_count() { return g_count.load(); }
+std::size_t allocated_bytes() { return g_total.load(); }
 }  // namespace kvc::bench

@@ -232,6 +232,8 @@ inline double stream_bytes_per_second(std::size_t bytes) {
 std::size_t live_bytes();
 std::size_t peak_bytes();
 void reset_peak();  ///< peak := live
+std::size_t allocation_count();  ///< allocations made so far (cumulative)
+std::size_t allocated_bytes();   ///< their bytes (cumulative)
 
 /// n = 4096, 32768, 131072 with manual (CPU or wall) time in milliseconds.
 inline void layer_sizes(benchmark::internal::Benchmark* b) {

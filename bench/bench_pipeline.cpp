@@ -69,6 +69,13 @@ void BM_PipelineReuse(benchmark::State& state) {
   double held = double(ws.bytes());
   for (const auto& h : out.heads) held += double(h.keys.size() + h.values.size() + h.bias.size()) * sizeof(float);
   state.counters["held_MB"] = held / 1e6;
+  // What one more reused call still allocates (untimed): the policies' per-call temporaries.
+  const std::size_t count0 = allocation_count(), bytes0 = allocated_bytes(), live0 = live_bytes();
+  reset_peak();
+  preset.run(layer, Budget::ratio(0.25), out, ws);
+  state.counters["allocs_per_call"] = double(allocation_count() - count0);
+  state.counters["alloc_MB_per_call"] = double(allocated_bytes() - bytes0) / 1e6;
+  state.counters["transient_peak_MB"] = double(peak_bytes() - live0) / 1e6;
 }
 
 /// The fresh memory a one-shot run() allocates for its result: 2 · Hkv matrices of (n/4, d) floats

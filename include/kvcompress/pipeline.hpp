@@ -130,8 +130,10 @@ struct has_compensate<P, std::void_t<decltype(std::declval<const P&>().compensat
 /// Scratch memory of Pipeline::run reused across calls: the per-worker window-attention buffers
 /// (O(G·W·n) floats each) and the per-head mass and score vectors. An engine that compresses layer
 /// after layer keeps one Workspace (per thread calling run) and passes it with a reused LayerResult,
-/// so that after the first layer nothing is allocated and no fresh page is faulted in. Holds no
-/// results: any content is overwritten by the next call.
+/// so that after the first layer none of these buffers, nor the result's, is allocated again. The
+/// stages' smaller per-call temporaries (index lists, pooling and merge scratch, GRKV's per-head
+/// matrices) are still allocated and freed in each call (bench: BM_PipelineReuse's allocs_per_call).
+/// Holds no results: any content is overwritten by the next call.
 template <class Real>
 struct Workspace {
   std::vector<WindowWorkspace<Real>> window;
@@ -228,7 +230,8 @@ class Pipeline {
 
   /// As run(layer, budget), writing into `out` and taking scratch memory from `ws`: both keep their
   /// allocations from call to call, so compressing layer after layer with the same shapes allocates
-  /// nothing after the first call. `out` is overwritten entirely (its previous content is not read);
+  /// none of the result's or the workspace's buffers after the first call (the stages' smaller
+  /// per-call temporaries still are: see Workspace). `out` is overwritten entirely (its previous content is not read);
   /// on a validation error it is left untouched. Neither may be shared by concurrent calls.
   template <class T>
   void run(const LayerView<T>& layer, const Budget& budget, LayerResult<compute_t<T>>& out,

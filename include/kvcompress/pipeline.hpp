@@ -97,6 +97,15 @@ struct has_select<P, std::void_t<decltype(std::declval<const P&>().select(
                          std::declval<const std::vector<Index>&>(), std::declval<Selection<float>&>()))>>
     : std::true_type {};
 
+/// A selector whose select() also takes the pipeline's thread count (TopK).
+template <class P, class = void>
+struct has_select_threads : std::false_type {};
+template <class P>
+struct has_select_threads<P, std::void_t<decltype(std::declval<const P&>().select(
+                                 std::declval<const std::vector<Vector<float>>&>(),
+                                 std::declval<const std::vector<Index>&>(), std::declval<Selection<float>&>(),
+                                 Index{}))>> : std::true_type {};
+
 template <class P, class = void>
 struct has_route : std::false_type {};
 template <class P>
@@ -406,7 +415,10 @@ class Pipeline {
 
     // 2. Selection. kept[g]: (m_g) ascending
     Selection<Real> sel;
-    selector().select(score, budgets, sel);
+    if constexpr (detail::has_select_threads<Selector>::value)
+      selector().select(score, budgets, sel, args_.threads);
+    else
+      selector().select(score, budgets, sel);
 
     // 3. Per KV head: route, merge, compensate. The result's previous buffers are recycled.
     result.heads.resize(static_cast<std::size_t>(H));

@@ -87,6 +87,18 @@ void check_selection(const Eigen::MatrixXd& scores, const std::vector<long>& bud
     CHECK(kvc::test::to_long(sel.evicted[g]) == complement);
     if (c.shared) CHECK(sel.kept[g] == sel.kept[0]);
   }
+  // The per-head part on 2 or 3 threads: the same selection and pooled scores, bit for bit.
+  for (Index threads : {2, 3}) {
+    INFO("threads " << threads);
+    Selection<Real> par;
+    make_selector(c).select(to_lib_scores<Real>(scores), lib_budgets, par, threads);
+    CHECK(par.shared == sel.shared);
+    CHECK(par.kept == sel.kept);
+    CHECK(par.evicted == sel.evicted);
+    REQUIRE(par.score.size() == sel.score.size());
+    for (std::size_t g = 0; g < sel.score.size(); ++g)
+      CHECK((par.score[g].array() == sel.score[g].array()).all());
+  }
 }
 
 }  // namespace

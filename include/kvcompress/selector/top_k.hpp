@@ -6,6 +6,7 @@
 #endif
 
 #include "kvcompress/core.hpp"
+#include "kvcompress/parallel.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -112,10 +113,13 @@ struct TopK {
   bool shares_positions() const { return args.granularity == Granularity::shared; }
 
   /// scores: [Hkv](n) raw scores; budgets: [Hkv] entries to keep (already clamped to [1, n]).
+  /// `threads` as Pipeline::Arguments::threads (the pipeline passes its own): the per-head part, the
+  /// pooling and each head's top m' (per head) or proposal (shared), runs on parallel_for; the shared
+  /// trim after it is serial. The same selection, bit for bit, for any thread count.
   /// Complexity O(Hkv · n log n).
   template <class Real>
   void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets,
-              Selection<Real>& out) const {
+              Selection<Real>& out, Index threads = 1) const {
     const Index H = static_cast<Index>(scores.size());
     const Index n = H > 0 ? scores[0].size() : 0;
     out.kept.assign(H, {});
@@ -124,25 +128,33 @@ struct TopK {
     out.shared = shares_positions();
 
     std::vector<ForcedCounts> forced(H);
-    for (Index g = 0; g < H; ++g) {
-      forced[g] = forced_counts(n, budgets[g], args.sinks, args.recent);
-      const Index pool = args.pooling == Pooling::none ? 0 : args.pool_kernel;
+    for (Index g = 0; g < H; ++g) forced[g] = forced_counts(n, budgets[g], args.sinks, args.recent);
+    const Index pool = args.pooling == Pooling::none ? 0 : args.pool_kernel;
+    const auto pooled = [&](Index g) {
       pool_region(scores[g], forced[g].sinks, n - forced[g].recent, pool, args.pooling, out.score[g]);
-    }
+    };
 
-    std::vector<char> flag(static_cast<std::size_t>(n));
     if (!out.shared) {
-      for (Index g = 0; g < H; ++g)
-        keep_one(out.score[g], n, budgets[g], forced[g], nullptr, flag, out.kept[g], out.evicted[g]);
+      std::vector<std::vector<char>> flag(static_cast<std::size_t>(worker_count(H, threads)),
+                                          std::vector<char>(static_cast<std::size_t>(n)));
+      parallel_for(H, threads, [&](Index g, Index worker) {
+        pooled(g);
+        keep_one(out.score[g], n, budgets[g], forced[g], nullptr, flag[static_cast<std::size_t>(worker)],
+                 out.kept[g], out.evicted[g]);
+      });
     } else {
       // Each head proposes its own top m'; the union is trimmed to m' by the mean pooled score.
+      std::vector<std::vector<Index>> proposal(static_cast<std::size_t>(H));
+      parallel_for(H, threads, [&](Index g, Index) {
+        pooled(g);
+        proposal[static_cast<std::size_t>(g)] = top_candidates(out.score[g], n, budgets[g], forced[g], nullptr);
+      });
       Vector<Real> mean = Vector<Real>::Zero(n);
       for (Index g = 0; g < H; ++g) mean += out.score[g];
       mean /= static_cast<Real>(H);
-      std::vector<char> proposed(static_cast<std::size_t>(n), 0);
-      for (Index g = 0; g < H; ++g)
-        for (Index p : top_candidates(out.score[g], n, budgets[g], forced[g], nullptr))
-          proposed[static_cast<std::size_t>(p)] = 1;
+      std::vector<char> proposed(static_cast<std::size_t>(n), 0), flag(static_cast<std::size_t>(n));
+      for (const auto& heads_top : proposal)
+        for (Index p : heads_top) proposed[static_cast<std::size_t>(p)] = 1;
       if (H > 0) keep_one(mean, n, budgets[0], forced[0], &proposed, flag, out.kept[0], out.evicted[0]);
       for (Index g = 0; g < H; ++g) {
         if (g > 0) {

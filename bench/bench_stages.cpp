@@ -47,8 +47,8 @@ void window_mass_benchmark(benchmark::State& state, WindowProduct P) {
   state.counters["workspace_MB"] = double(ws.bytes()) / 1e6;
   // The timed iterations find the workspace where the previous one left it: in the last-level cache
   // when it fits there. Inside the pipeline the other stages' passes over K, V and the result have
-  // evicted it by the next call. cold_ms: median of 3 runs, each after the workspace is flushed from
-  // every cache level (x86-64).
+  // evicted it by the next call. cold_ms: median of 3 runs over all heads, each after the workspace's
+  // exponentials buffer (its only large part) is flushed from every cache level (x86-64).
   std::vector<double> cold;
   for (int rep = 0; rep < 3; ++rep) {
     if (!evict_from_caches(ws.exps.data(), static_cast<std::size_t>(ws.exps.size()) * sizeof(float))) break;

@@ -186,6 +186,8 @@ template <class Real>
 void check_identical(const LayerResult<Real>& x, const LayerResult<Real>& y) {
   REQUIRE(x.heads.size() == y.heads.size());
   CHECK(x.next_position == y.next_position);
+  CHECK(x.shared_positions == y.shared_positions);
+  CHECK(x.window_product == y.window_product);
   for (std::size_t g = 0; g < x.heads.size(); ++g) {
     INFO("head " << g);
     CHECK(x.heads[g].positions == y.heads[g].positions);
@@ -312,6 +314,17 @@ TEST_CASE("the result records the window product that ran", "[pipeline][amx]") {
     CHECK(out.window_product == WindowProduct::fma);
     SnapKV(snap).run(f.view(), Budget::ratio(0.5), out, ws);
     CHECK(out.window_product == (amx_here ? WindowProduct::amx_bf16x3 : WindowProduct::fma));
+    // A call rejected by the folded NaN/Inf scan (after stage 1 ran) leaves `out` as it was, this
+    // field included, with either product.
+    ref::Tensor3 K_nan = K;
+    K_nan.at(1, n / 2, 0) = std::numeric_limits<double>::quiet_NaN();
+    kvc::test::LayerBuffers<float> bad(K_nan, V, Q, Layout::head_major);
+    for (const SnapKV& rejected : {SnapKV{}, SnapKV(snap)}) {
+      const LayerResult<float> before = out;
+      CHECK_THROWS_WITH(rejected.run(bad.view(), Budget::ratio(0.5), out, ws), Catch::Contains("keys"));
+      check_identical(out, before);
+      SnapKV{}.run(f.view(), Budget::ratio(0.5), out, ws);  // an fma result before the AMX attempt
+    }
   }
 }
 

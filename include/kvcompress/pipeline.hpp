@@ -406,10 +406,6 @@ class Pipeline {
       }
       scorer().score(layer, g, mass[g], score[g]);
     });
-    // The same condition window_exp_tiles_t applies: only float keys on the float path can take AMX.
-    result.window_product = WindowProduct::fma;
-    if constexpr (kNeedsMass && std::is_same_v<T, float>)
-      result.window_product = window_product_in_effect(args_.attention, d, layer.group_size() * layer.window());
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(scratch);  // one-shot run(): free it now
     if (args_.check_finite) check_folded_scans(layer, finite, values_finite, score);
 
@@ -423,6 +419,10 @@ class Pipeline {
     // 3. Per KV head: route, merge, compensate. The result's previous buffers are recycled.
     result.heads.resize(static_cast<std::size_t>(H));
     result.shared_positions = sel.shared;
+    // The condition window_exp_tiles_t applied (only float keys can take AMX); fma without a window stage.
+    result.window_product = WindowProduct::fma;
+    if constexpr (kNeedsMass)
+      result.window_product = detail::window_product_for<T>(args_.attention, d, layer.group_size() * layer.window());
     std::size_t result_bytes = 0;
     for (const auto& kept : sel.kept) result_bytes += kept.size() * 2 * static_cast<std::size_t>(d) * sizeof(Real);
     const bool stream = kStreamGathers && result_bytes >= kStreamMinBytes;

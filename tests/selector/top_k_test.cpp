@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -96,8 +97,11 @@ void check_selection(const Eigen::MatrixXd& scores, const std::vector<long>& bud
     CHECK(par.kept == sel.kept);
     CHECK(par.evicted == sel.evicted);
     REQUIRE(par.score.size() == sel.score.size());
-    for (std::size_t g = 0; g < sel.score.size(); ++g)
-      CHECK((par.score[g].array() == sel.score[g].array()).all());
+    for (std::size_t g = 0; g < sel.score.size(); ++g) {
+      REQUIRE(par.score[g].size() == sel.score[g].size());
+      CHECK(std::memcmp(par.score[g].data(), sel.score[g].data(),
+                        static_cast<std::size_t>(sel.score[g].size()) * sizeof(Real)) == 0);
+    }
   }
 }
 

@@ -67,6 +67,19 @@ inline WindowProduct window_product_in_effect(const AttentionArguments& args, In
              : WindowProduct::fma;
 }
 
+namespace detail {
+/// The product window_mass runs for keys of element type T: window_product_in_effect for float keys,
+/// fma for every other type. The one condition window_exp_tiles_t and the pipeline's record
+/// (LayerResult::window_product) both use.
+template <class T>
+WindowProduct window_product_for(const AttentionArguments& args, Index d, Index R) {
+  if constexpr (std::is_same_v<T, float>)
+    return window_product_in_effect(args, d, R);
+  else
+    return WindowProduct::fma;
+}
+}  // namespace detail
+
 /// Scratch memory of the float window-attention path for one KV head at a time; reuse one per thread
 /// across heads and calls to avoid reallocation. `bytes()` is the peak extra memory of one head in
 /// flight: O(G·W·n) for the exponentials plus O(G·W·d + tile·d) (SPEC §2). R = G·W below; the mass
@@ -250,10 +263,8 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   const float cap = static_cast<float>(args.softcap);
   ws.queries = gather_group_queries<float>(layer, g);  // (R, d)
   // The opt-in AMX product (float keys only), else the FMA kernel's query panels.
-  bool amx = false;
-  if constexpr (std::is_same_v<T, float>)
-    amx = Rp == simd::padded_queries<simd::default_arch>(R) &&
-          window_product_in_effect(args, d, R) == WindowProduct::amx_bf16x3;
+  const bool amx = Rp == simd::padded_queries<simd::default_arch>(R) &&
+                   window_product_for<T>(args, d, R) == WindowProduct::amx_bf16x3;
   if (amx) {
     simd::amx_pack_queries(ws.queries.data(), d, R, Rp, d, static_cast<float>(args.resolved_scale(d)), ws.amx);
   } else {

@@ -58,9 +58,10 @@ using Index = std::ptrdiff_t;
 /// head dimensions, 16 rows of (dimension pair) × 32 bf16 (16 queries × the pair), hi and lo parts.
 struct AmxQueries {
   /// hi, lo, then the staging scratch of amx_window_logits_t (one block of 16 converted keys; so one
-  /// AmxQueries per thread), 64-byte aligned, in one allocation: their relative placement is then fixed.
-  /// As three vectors, where the allocator put them moved BM_WindowMassAmx/32768 between 63–66 and
-  /// 72–76 ms (an unrelated 64 KiB allocation before them made the difference); in one: 53–58 ms.
+  /// AmxQueries per thread), 64-byte aligned, in one allocation, so their relative placement is fixed.
+  /// (As three vectors BM_WindowMassAmx/32768 once read 72–76 ms against 63–66 with an unrelated
+  /// allocation before them; later, offsets inside the one allocation made no difference, and whether
+  /// the window workspace was still cached moved the stage by 9 ms: bench/README.md, twelfth round.)
   std::vector<std::uint16_t> storage;
   std::size_t hi_at = 0, lo_at = 0, staging_at = 0;  ///< element offsets into storage
   Index groups = 0;                                  ///< Rp / 16

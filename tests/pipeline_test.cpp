@@ -639,7 +639,7 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
 
 TEST_CASE("a result large enough for streaming stores holds exactly the cache rows at the kept positions",
           "[pipeline][gather]") {
-  // Presets that only drop tokens write a result of >= 16 MiB with non-temporal stores
+  // Presets that only drop tokens, and SelKV's kept keys, write a result of >= 16 MiB with non-temporal stores
   // (Pipeline::kStreamMinBytes, detail::copy_row_streaming); smaller ones with memcpy. Either way every
   // kept row must be the cache's row, bit for bit, with one or two threads (the stores of a worker
   // must be visible after the join) and into a reused, poisoned result.
@@ -685,6 +685,34 @@ TEST_CASE("a result large enough for streaming stores holds exactly the cache ro
       }
       snap.run(layer, Budget::ratio(rho), out, ws);
       check_rows(out, m);
+
+      // SelKV: the router writes the kept keys, with streaming stores for the large result (its
+      // merger and compensator read no keys: reads_kept_keys = false); the values are merged.
+      SelKV::Arguments sa;
+      sa.threads = threads;
+      const SelKV selkv(sa);
+      const auto check_keys = [&](const LayerResult<float>& r) {
+        REQUIRE(r.heads.size() == std::size_t(Hkv));
+        for (Index g = 0; g < Hkv; ++g) {
+          const auto& h = r.heads[std::size_t(g)];
+          REQUIRE(h.size() == m);
+          Index mismatches = 0;
+          for (Index i = 0; i < m; ++i)
+            for (Index k = 0; k < d; ++k) mismatches += h.keys(i, k) != layer.keys.row(g, h.positions[i])[k];
+          CHECK(mismatches == 0);
+        }
+      };
+      const LayerResult<float> fresh = selkv.run(layer, Budget::ratio(rho));
+      check_keys(fresh);
+      selkv.run(layer, Budget::ratio(rho), out, ws);
+      for (auto& h : out.heads) h.keys.setConstant(std::numeric_limits<float>::quiet_NaN());
+      selkv.run(layer, Budget::ratio(rho), out, ws);
+      check_keys(out);
+      for (Index g = 0; g < Hkv; ++g) CHECK(out.heads[std::size_t(g)].values == fresh.heads[std::size_t(g)].values);
     }
   }
+  STATIC_REQUIRE(!detail::reads_kept_keys<SoftGate>::value);
+  STATIC_REQUIRE(!detail::reads_kept_keys<AttentionRatio>::value);
+  STATIC_REQUIRE(detail::reads_kept_keys<RidgeMerge>::value);  // GRKV reads them: never streamed
+  STATIC_REQUIRE(detail::has_route_keys_streaming<BucketRouter<>>::value);
 }

@@ -69,6 +69,13 @@ struct fills_values : std::false_type {};
 template <class P>
 struct fills_values<P, std::void_t<decltype(P::fills_values)>> : std::bool_constant<P::fills_values> {};
 
+/// Whether a merger or compensator reads the kept keys that the router or the gather wrote
+/// (`static constexpr bool reads_kept_keys`); true when a policy does not say.
+template <class P, class = void>
+struct reads_kept_keys : std::true_type {};
+template <class P>
+struct reads_kept_keys<P, std::void_t<decltype(P::reads_kept_keys)>> : std::bool_constant<P::reads_kept_keys> {};
+
 template <class P, class = void>
 struct needs_routing : std::false_type {};
 template <class P>
@@ -118,6 +125,14 @@ template <class P>
 struct has_route_keys<P, std::void_t<decltype(std::declval<const P&>().route(
                              std::declval<const ProbeContext&>(), std::declval<Routing&>(),
                              std::declval<RowMatrix<float>&>()))>> : std::true_type {};
+
+/// A router whose kept-key fill also takes a `bool streaming` (BucketRouter).
+template <class P, class = void>
+struct has_route_keys_streaming : std::false_type {};
+template <class P>
+struct has_route_keys_streaming<P, std::void_t<decltype(std::declval<const P&>().route(
+                                       std::declval<const ProbeContext&>(), std::declval<Routing&>(),
+                                       std::declval<RowMatrix<float>&>(), bool{}))>> : std::true_type {};
 
 template <class P, class = void>
 struct has_merge : std::false_type {};
@@ -306,6 +321,11 @@ class Pipeline {
   /// V of all heads), which would not stay in cache for the caller anyway; a smaller one is written
   /// with ordinary stores, so that the caller (compact_into) finds it in cache.
   static constexpr bool kStreamGathers = std::is_same_v<Merger, Drop> && std::is_same_v<Compensator, NoCompensation>;
+  /// Nothing after the router (or the keys' gather) reads the kept keys (the merger and the
+  /// compensator say so with `reads_kept_keys = false`): with the same size rule and no RoPE
+  /// repositioning, the kept keys are written with streaming stores too, by the gather or by a
+  /// router that fills them (has_route_keys_streaming).
+  static constexpr bool kStreamKeys = !detail::reads_kept_keys<Merger>::value && !detail::reads_kept_keys<Compensator>::value;
   static constexpr std::size_t kStreamMinBytes = std::size_t(16) << 20;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
   static constexpr bool kOutputsFromMass = kNeedsMass && detail::needs_window_outputs<Merger>::value;
@@ -426,6 +446,7 @@ class Pipeline {
     std::size_t result_bytes = 0;
     for (const auto& kept : sel.kept) result_bytes += kept.size() * 2 * static_cast<std::size_t>(d) * sizeof(Real);
     const bool stream = kStreamGathers && result_bytes >= kStreamMinBytes;
+    const bool stream_keys = kStreamKeys && result_bytes >= kStreamMinBytes && !args_.reposition.enabled;
     if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
       ws.routing.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
@@ -442,10 +463,13 @@ class Pipeline {
       // π: (n − m_g) → kept index. A router or merger that fills the kept keys / values in its own
       // sweep over the cache (fills_keys / fills_values) saves the gather's pass over those rows.
       if constexpr (detail::fills_keys<Router>::value) {
-        router().route(ctx, routing, merged.keys);
+        if constexpr (detail::has_route_keys_streaming<Router>::value)
+          router().route(ctx, routing, merged.keys, stream_keys);
+        else
+          router().route(ctx, routing, merged.keys);
       } else {
         router().route(ctx, routing);
-        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys, stream && !args_.reposition.enabled);
+        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys, stream_keys);
       }
       if constexpr (!detail::fills_values<Merger>::value)
         detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values, stream);

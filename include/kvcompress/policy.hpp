@@ -206,6 +206,9 @@ struct Routing {
 ///   (BucketRouter);
 /// - a merger with `static constexpr bool fills_values = true` gets `values` as (m, d) storage of
 ///   unspecified contents and must write every row itself (GatedMerge).
+/// A merger or compensator that never reads `keys` may say `static constexpr bool reads_kept_keys =
+/// false` (GatedMerge, Drop and the compensators here do): when both say so, the pipeline writes the
+/// kept keys of a large result with streaming stores (a hint for speed only; the values are the same).
 template <class Real>
 struct MergeOutput {
   RowMatrix<Real> keys;    // (m, d)

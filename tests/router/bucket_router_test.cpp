@@ -28,7 +28,8 @@ RouteStatistic library_stat(int s) {
 /// Routes head g with the library and returns, per evicted token (ascending), the kept POSITION it
 /// was sent to. `mass` is what the context hands the router (window_mass statistic). Also routes with
 /// the overload that writes the kept keys (fills_keys) into a NaN-filled matrix: the routing must be
-/// the same and every kept key row bit-identical to the cache's row, converted.
+/// the same and every kept key row bit-identical to the cache's row, converted; once with ordinary
+/// stores and once with `streaming` (streaming stores where the rows are aligned for them).
 template <class T>
 std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector<compute_t<T>>& mass,
                                 const std::vector<Index>& kept, Index bucket, RouteStatistic stat) {
@@ -41,16 +42,19 @@ std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector
   Routing routing;
   BucketRouter<>{args}.route(ctx, routing);
   using Real = compute_t<T>;
-  RowMatrix<Real> kept_keys = RowMatrix<Real>::Constant(static_cast<Index>(kept.size()), layer.head_dim(),
-                                                        std::numeric_limits<Real>::quiet_NaN());
-  Routing routing_fill;
-  BucketRouter<>{args}.route(ctx, routing_fill, kept_keys);
-  CHECK(routing_fill.target == routing.target);
-  for (std::size_t i = 0; i < kept.size(); ++i) {
-    bool row_equal = true;
-    for (Index k = 0; k < layer.head_dim(); ++k)
-      row_equal = row_equal && kept_keys(static_cast<Index>(i), k) == to_real<Real>(layer.keys.row(g, kept[i])[k]);
-    if (!row_equal) FAIL_CHECK("kept key row " << i << " (position " << kept[i] << ") not written as the cache's row");
+  for (const bool streaming : {false, true}) {
+    INFO("streaming " << streaming);
+    RowMatrix<Real> kept_keys = RowMatrix<Real>::Constant(static_cast<Index>(kept.size()), layer.head_dim(),
+                                                          std::numeric_limits<Real>::quiet_NaN());
+    Routing routing_fill;
+    BucketRouter<>{args}.route(ctx, routing_fill, kept_keys, streaming);
+    CHECK(routing_fill.target == routing.target);
+    for (std::size_t i = 0; i < kept.size(); ++i) {
+      bool row_equal = true;
+      for (Index k = 0; k < layer.head_dim(); ++k)
+        row_equal = row_equal && kept_keys(static_cast<Index>(i), k) == to_real<Real>(layer.keys.row(g, kept[i])[k]);
+      if (!row_equal) FAIL_CHECK("kept key row " << i << " (position " << kept[i] << ") not written as the cache's row");
+    }
   }
   std::vector<long> out;
   if (routing.target.size() != evicted.size()) return out;  // the caller checks the size

@@ -16,6 +16,7 @@ namespace kvc {
 struct NoCompensation {
   struct Arguments {};
   static constexpr bool needs_mass = false;
+  static constexpr bool reads_kept_keys = false;  // no rows at all
   Arguments args;
   Status validate() const { return Status::ok(); }
   template <class T>
@@ -33,6 +34,7 @@ struct AttentionRatio {
     double r_max = 0.0;  ///< cap on R; 0 = off (the default: R is heavy-tailed in practice)
   };
   static constexpr bool needs_mass = true;
+  static constexpr bool reads_kept_keys = false;  // no rows at all
   Arguments args;
 
   Status validate() const {
@@ -73,6 +75,7 @@ struct AttentionRatio {
 struct MergeCount {
   struct Arguments {};
   static constexpr bool needs_mass = false;
+  static constexpr bool reads_kept_keys = false;  // no rows at all
   Arguments args;
   Status validate() const { return Status::ok(); }
 

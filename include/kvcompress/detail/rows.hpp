@@ -173,14 +173,32 @@ void gather_positions(const TensorView<const T>& v, Index h, const Positions& po
 template <class T, class Real>
 class KeptRowWriter {
  public:
-  KeptRowWriter(const TensorView<const T>& v, Index h, const std::vector<Index>& positions, RowMatrix<Real>& out)
-      : view_(v), head_(h), positions_(positions), out_(out) {}
+  /// With `streaming`, float rows are copied with streaming stores where out's rows are aligned for
+  /// them (copy_row_streaming), for a result that nothing reads soon after; finish() (or the
+  /// destructor) then orders them before anything else reads the rows.
+  KeptRowWriter(const TensorView<const T>& v, Index h, const std::vector<Index>& positions, RowMatrix<Real>& out,
+                bool streaming = false)
+      : view_(v), head_(h), positions_(positions), out_(out), streaming_(streaming) {}
+  KeptRowWriter(const KeptRowWriter&) = delete;
+  KeptRowWriter& operator=(const KeptRowWriter&) = delete;
+  ~KeptRowWriter() { finish(); }
 
   void copy(Index i) {
     const T* src = view_.row(head_, positions_[static_cast<std::size_t>(i)]);
     Real* dst = out_.row(i).data();
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<Real, float>)
+      if (streaming_ && copy_row_streaming(src, dst, view_.dim)) {
+        streamed_ = true;
+        return;
+      }
     if constexpr (std::is_same_v<T, Real>) std::memcpy(dst, src, static_cast<std::size_t>(view_.dim) * sizeof(Real));
     else for (Index k = 0; k < view_.dim; ++k) dst[k] = to_real<Real>(src[k]);
+  }
+
+  /// Ends the streaming copies made so far (streaming_done); a no-op when there were none.
+  void finish() {
+    if (streamed_) streaming_done();
+    streamed_ = false;
   }
 
   /// Rows are requested kAhead rows before they are copied (a hint; the sweep's own prefetch may
@@ -207,6 +225,7 @@ class KeptRowWriter {
   Index head_;
   const std::vector<Index>& positions_;
   RowMatrix<Real>& out_;
+  bool streaming_ = false, streamed_ = false;
   Index next_ = 0;
 };
 

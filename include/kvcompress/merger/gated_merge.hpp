@@ -123,6 +123,7 @@ struct GatedMerge {
   static constexpr bool needs_mass = true;
   static constexpr bool needs_routing = true;
   static constexpr bool fills_values = true;
+  static constexpr bool reads_kept_keys = false;
   Arguments args;
 
   /// How far (in positions) value rows are requested ahead of the sweep.
@@ -231,6 +232,7 @@ struct Drop {
   struct Arguments {};
   static constexpr bool needs_mass = false;
   static constexpr bool needs_routing = false;
+  static constexpr bool reads_kept_keys = false;
   Arguments args;
   Status validate(Index, Index) const { return Status::ok(); }
   template <class T>

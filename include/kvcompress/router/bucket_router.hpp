@@ -139,26 +139,32 @@ struct BucketRouter {
   /// The same routing, and kept_keys <- the kept tokens' keys (m, d), converted: each is copied as
   /// the sweep passes its position, while the sweep has it in cache (a candidate's row has just been
   /// read), so the pipeline needs no separate pass over the kept keys. kept_keys is resized to (m, d)
-  /// when its shape differs; its previous contents do not matter.
+  /// when its shape differs; its previous contents do not matter. With `streaming`, float keys are
+  /// written with streaming stores where kept_keys' rows are aligned for them (the pipeline asks for
+  /// it when nothing after the router reads the kept keys and the result is too large to stay in
+  /// cache): the same values, without reading kept_keys' memory first or keeping it in cache.
   template <class T>
-  void route(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>& kept_keys) const {
+  void route(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>& kept_keys,
+             bool streaming = false) const {
     const Index m = static_cast<Index>(ctx.kept().size());
     if (kept_keys.rows() != m || kept_keys.cols() != ctx.head_dim()) kept_keys.resize(m, ctx.head_dim());
-    route_impl(ctx, routing, &kept_keys);
+    route_impl(ctx, routing, &kept_keys, streaming);
   }
 
  private:
   template <class T>
-  void route_impl(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>* kept_keys) const {
+  void route_impl(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>* kept_keys,
+                  bool streaming = false) const {
     using Real = compute_t<T>;
     routing.target.assign(ctx.evicted().size(), -1);
     if (kept_keys == nullptr) {
       route_sweep(ctx, routing, [](Index) {});
       return;
     }
-    detail::KeptRowWriter<T, Real> writer(ctx.layer().keys, ctx.head(), ctx.kept(), *kept_keys);
+    detail::KeptRowWriter<T, Real> writer(ctx.layer().keys, ctx.head(), ctx.kept(), *kept_keys, streaming);
     route_sweep(ctx, routing, [&](Index end) { writer.copy_before(end); });
     writer.copy_rest();
+    writer.finish();
   }
 
   /// The sweep of route(). At each evicted token j (ascending) it calls passed(end): the sweep has

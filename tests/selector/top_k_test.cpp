@@ -153,15 +153,18 @@ TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-
   // inside the bin holding the k-th best); double scores the (score, position) pairs. Long caches
   // with many exact ties (a few distinct values), negative scores, ±0 (equal, so a tie), ±infinity,
   // a tie that straddles the cut, and budgets at the edges; per head and shared (whose proposal mask
-  // restricts the candidates).
+  // restricts the candidates). `narrow` values all share the keys' top bits and differ only below them,
+  // with exact ties (a grid of 2^17 values in [1, 1.125)): the bin holding the k-th best is then split
+  // again by the next 11 and 10 bits before nth_element (refine_edge).
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(409);
   std::uniform_int_distribution<int> pick(0, 9);
   std::uniform_real_distribution<double> cont(-1.0, 1.0);
+  std::uniform_int_distribution<int> grid(0, (1 << 17) - 1);
   long cases = 0;
   for (long n : {3000L, 40000L}) {
     const long H = 2;
-    Eigen::MatrixXd few(H, n), wide(H, n);
+    Eigen::MatrixXd few(H, n), wide(H, n), narrow(H, n);
     for (long g = 0; g < H; ++g)
       for (long j = 0; j < n; ++j) {
         const int v = pick(rng);
@@ -169,12 +172,14 @@ TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-
         // two heads order the same in float and double (as in the test above)
         few(g, j) = 105.0 * (v == 0 ? -0.0 : v == 1 ? 0.0 : v == 2 ? -3.0 : v == 9 ? 7.0 : double(v));
         wide(g, j) = double(float(cont(rng) * std::pow(10.0, pick(rng) - 5)));
+        // exact in float, and so are the shared mean of two heads and max pooling
+        narrow(g, j) = 1.0 + std::ldexp(double(grid(rng)), -20);
       }
     few(0, n / 2) = std::numeric_limits<double>::infinity();
     few(1, n / 3) = -std::numeric_limits<double>::infinity();
     wide(0, 7) = -0.0;
     wide(0, 8) = 0.0;
-    for (const Eigen::MatrixXd* scores : {&few, &wide})
+    for (const Eigen::MatrixXd* scores : {&few, &wide, &narrow})
       for (long m : {1L, 2L, n / 10, n / 4, n / 2, 4 * n / 5, n - 1})
         for (bool shared : {false, true})
           for (const Config& c : {Config{0, 0, 0, Pooling::none, shared}, Config{4, 32, 5, Pooling::average, shared},
@@ -182,14 +187,16 @@ TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-
             // wide values: only where no arithmetic touches the scores (float and double may round a
             // pooled average or a mean differently)
             if (scores == &wide && (shared || c.pooling == Pooling::average)) continue;
-            INFO(describe(c) << " n " << n << " m " << m << (scores == &few ? " few values" : " wide values"));
+            if (scores == &narrow && c.pooling == Pooling::average) continue;
+            INFO(describe(c) << " n " << n << " m " << m
+                             << (scores == &few ? " few values" : scores == &wide ? " wide values" : " narrow values"));
             std::vector<long> budgets(static_cast<std::size_t>(H), m);
             if (!shared) budgets[1] = std::max(1L, m / 3);
             check_selection<float>(*scores, budgets, c);
             ++cases;
           }
   }
-  CHECK(cases == 2 * 7 * (6 + 2));
+  CHECK(cases == 2 * 7 * (6 + 2 + 4));
 }
 
 TEST_CASE("NaN scores (check_finite off) rank below every number, in float and double", "[selector][nan]") {

@@ -88,10 +88,12 @@ void check_selection(const Eigen::MatrixXd& scores, const std::vector<long>& bud
     CHECK(kvc::test::to_long(sel.evicted[g]) == complement);
     if (c.shared) CHECK(sel.kept[g] == sel.kept[0]);
   }
-  // The per-head part on 2 or 3 threads: the same selection and pooled scores, bit for bit.
+  // The per-head part on 2 or 3 threads: the same selection and pooled scores, bit for bit, into a
+  // Selection reused from a call with other budgets (and then from the previous thread count).
+  Selection<Real> par;
+  make_selector(c).select(to_lib_scores<Real>(scores), std::vector<Index>(lib_budgets.size(), 1), par);
   for (Index threads : {2, 3}) {
     INFO("threads " << threads);
-    Selection<Real> par;
     make_selector(c).select(to_lib_scores<Real>(scores), lib_budgets, par, threads);
     CHECK(par.shared == sel.shared);
     CHECK(par.kept == sel.kept);

@@ -122,9 +122,10 @@ struct TopK {
               Selection<Real>& out, Index threads = 1) const {
     const Index H = static_cast<Index>(scores.size());
     const Index n = H > 0 ? scores[0].size() : 0;
-    out.kept.assign(H, {});
-    out.evicted.assign(H, {});
-    out.score.assign(H, {});
+    // Every field is overwritten; a reused `out` keeps its vectors' capacity.
+    out.kept.resize(static_cast<std::size_t>(H));
+    out.evicted.resize(static_cast<std::size_t>(H));
+    out.score.resize(static_cast<std::size_t>(H));
     out.shared = shares_positions();
 
     std::vector<ForcedCounts> forced(H);

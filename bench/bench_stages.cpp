@@ -1,6 +1,7 @@
 // Per-stage benchmarks on the Llama-3.1-8B layer shape, each with x_gemm (its CPU time over the plain
 // Eigen Qw·K^T of the same layer, measured in this process) and tokens/s; plus the probes.
 #include "bench_common.hpp"
+#include <map>
 
 namespace {
 
@@ -219,13 +220,38 @@ void BM_Score(benchmark::State& state) {
   state.counters["bytes/s"] = double(layer.kv_heads() * n * layer.head_dim() * 4) / per;
 }
 
-/// Selector (pooling + top-k) for all KV heads at ratio 0.25, per head (SnapKV) and shared (SelKV).
-template <Granularity Gr>
+/// SelKV's window mass and scores (ValueWeighted) of every KV head of the benchmark layer at n,
+/// computed once per n (default attention arguments).
+struct LayerScores {
+  std::vector<Vector<float>> mass, score;
+};
+const LayerScores& selkv_scores(Index n) {
+  static std::map<Index, LayerScores> cache;
+  auto it = cache.find(n);
+  if (it != cache.end()) return it->second;
+  const auto layer = layer_of(n).view();
+  const Index H = layer.kv_heads();
+  LayerScores s;
+  s.mass.resize(static_cast<std::size_t>(H));
+  s.score.resize(static_cast<std::size_t>(H));
+  WindowWorkspace<float> ws;
+  for (Index g = 0; g < H; ++g) {
+    window_mass<float>(layer, g, AttentionArguments{}, s.mass[g], ws);
+    ValueWeighted{}.score(layer, g, s.mass[g], s.score[g]);
+  }
+  return cache.emplace(n, std::move(s)).first->second;
+}
+
+/// Selector (pooling + top-k) for all KV heads at ratio 0.25, per head (SnapKV) and shared (SelKV), on
+/// uniform random scores (Layer = false) or on SelKV's scores of the benchmark layer (Layer = true),
+/// which crowd into a narrow range (bench/README.md, thirteenth round).
+template <Granularity Gr, bool Layer = false>
 void BM_Select(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
   std::vector<Vector<float>> scores(layer.kv_heads());
-  for (auto& s : scores) s = Vector<float>::Random(n).cwiseAbs();
+  if (Layer) scores = selkv_scores(n).score;
+  else for (auto& s : scores) s = Vector<float>::Random(n).cwiseAbs();
   const std::vector<Index> budgets(layer.kv_heads(), n / 4);
   TopK<0, 32, 5, Gr> sel;
   // Its own loop (not time_iterations): each iteration's fresh result is freed outside the timed part.
@@ -250,15 +276,14 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
   const Index H = layer.kv_heads(), d = layer.head_dim();
-  std::vector<Vector<float>> mass(H), score(H);
-  WindowWorkspace<float> ws;
-  for (Index g = 0; g < H; ++g) {
-    window_mass<float>(layer, g, AttentionArguments{}, mass[g], ws);
-    ValueWeighted{}.score(layer, g, mass[g], score[g]);
-  }
+  const auto& mass = selkv_scores(n).mass;
   Selection<float> sel;
-  TopK<0, 16, 5, Granularity::shared>{}.select(score, std::vector<Index>(H, n / 4), sel);
+  TopK<0, 16, 5, Granularity::shared>{}.select(selkv_scores(n).score, std::vector<Index>(H, n / 4), sel);
   const AttentionArguments att;
+  // As in the pipeline: the kept keys with streaming stores when the whole result is large.
+  std::size_t result_bytes = 0;
+  for (const auto& kept : sel.kept) result_bytes += kept.size() * 2 * static_cast<std::size_t>(d) * sizeof(float);
+  const bool streaming = result_bytes >= detail::kStreamMinBytes;
   // One set of buffers reused for every head and iteration (no page faults of fresh memory counted).
   MergeOutput<float> merged;
   Vector<float> bias;
@@ -270,7 +295,7 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
       merged.values.resize(Index(sel.kept[g].size()), d);
       static_assert(detail::fills_keys<BucketRouter<32>>::value && detail::fills_values<SoftGate>::value,
                     "as in the pipeline: the router writes the kept keys and SoftGate every value row");
-      BucketRouter<32>{}.route(ctx, routing, merged.keys);
+      BucketRouter<32>{}.route(ctx, routing, merged.keys, streaming);
       SoftGate{}.merge(ctx, routing, merged);
       AttentionRatio{}.compensate(ctx, routing, merged, bias);
       benchmark::DoNotOptimize(bias.data());
@@ -314,6 +339,7 @@ BENCHMARK_TEMPLATE(BM_Score, kvc::ValueWeighted)->Apply(kvc::bench::layer_sizes)
 BENCHMARK_TEMPLATE(BM_Score, kvc::KeyNorm)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::per_head)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared, true)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_RouteMergeCompensate)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_ValidateLayer)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_StreamSum)->Apply(kvc::bench::layer_sizes);

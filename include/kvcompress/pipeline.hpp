@@ -326,7 +326,7 @@ class Pipeline {
   /// repositioning, the kept keys are written with streaming stores too, by the gather or by a
   /// router that fills them (has_route_keys_streaming).
   static constexpr bool kStreamKeys = !detail::reads_kept_keys<Merger>::value && !detail::reads_kept_keys<Compensator>::value;
-  static constexpr std::size_t kStreamMinBytes = std::size_t(16) << 20;
+  static constexpr std::size_t kStreamMinBytes = detail::kStreamMinBytes;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
   static constexpr bool kOutputsFromMass = kNeedsMass && detail::needs_window_outputs<Merger>::value;
 

@@ -120,6 +120,10 @@ inline bool copy_row_streaming(const float* src, float* dst, Index d) {
 #endif
 }
 
+/// The smallest result (K and V rows of all heads, in bytes) the pipeline writes with streaming stores:
+/// a smaller one may still be in cache when the caller reads it.
+inline constexpr std::size_t kStreamMinBytes = std::size_t(16) << 20;
+
 /// Orders the streaming stores before any later store (sfence), so that whoever reads the rows next
 /// (another thread after a join included) sees them.
 inline void streaming_done() {

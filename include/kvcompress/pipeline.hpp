@@ -126,13 +126,13 @@ struct has_route_keys<P, std::void_t<decltype(std::declval<const P&>().route(
                              std::declval<const ProbeContext&>(), std::declval<Routing&>(),
                              std::declval<RowMatrix<float>&>()))>> : std::true_type {};
 
-/// A router whose kept-key fill also takes a `bool streaming` (BucketRouter).
+/// A router whose kept-key fill also takes KeptKeyStores (BucketRouter).
 template <class P, class = void>
 struct has_route_keys_streaming : std::false_type {};
 template <class P>
 struct has_route_keys_streaming<P, std::void_t<decltype(std::declval<const P&>().route(
                                        std::declval<const ProbeContext&>(), std::declval<Routing&>(),
-                                       std::declval<RowMatrix<float>&>(), bool{}))>> : std::true_type {};
+                                       std::declval<RowMatrix<float>&>(), KeptKeyStores{}))>> : std::true_type {};
 
 template <class P, class = void>
 struct has_merge : std::false_type {};
@@ -315,16 +315,16 @@ class Pipeline {
   static constexpr bool kFoldKeyScan =
       (kNeedsMass && std::is_same_v<compute_t<T>, float>) || detail::covers_keys<Scorer>::value;
   static constexpr bool kScanValuesPerHead = !detail::covers_values<Scorer>::value;
-  /// Nothing after the gathers reads the kept rows (the merger drops, the compensator reads no rows):
-  /// the gathers then write the result with streaming stores (detail::gather_positions), the keys
-  /// only when no RoPE repositioning follows, and only for a result of at least kStreamMinBytes (K and
-  /// V of all heads), which would not stay in cache for the caller anyway; a smaller one is written
-  /// with ordinary stores, so that the caller (compact_into) finds it in cache.
+  /// Nothing after the values' gather reads the kept values (the merger drops, the compensator reads
+  /// no rows): the gather then writes them with streaming stores (detail::gather_positions), for a
+  /// result of at least kStreamMinBytes (K and V of all heads, detail::result_rows_bytes), which would
+  /// not stay in cache for the caller anyway; a smaller one is written with ordinary stores, so that
+  /// the caller (compact_into) finds it in cache.
   static constexpr bool kStreamGathers = std::is_same_v<Merger, Drop> && std::is_same_v<Compensator, NoCompensation>;
   /// Nothing after the router (or the keys' gather) reads the kept keys (the merger and the
   /// compensator say so with `reads_kept_keys = false`): with the same size rule and no RoPE
-  /// repositioning, the kept keys are written with streaming stores too, by the gather or by a
-  /// router that fills them (has_route_keys_streaming).
+  /// repositioning, the kept keys are written with streaming stores, by the gather or by a router
+  /// that fills them (has_route_keys_streaming).
   static constexpr bool kStreamKeys = !detail::reads_kept_keys<Merger>::value && !detail::reads_kept_keys<Compensator>::value;
   static constexpr std::size_t kStreamMinBytes = detail::kStreamMinBytes;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
@@ -443,8 +443,7 @@ class Pipeline {
     result.window_product = WindowProduct::fma;
     if constexpr (kNeedsMass)
       result.window_product = detail::window_product_for<T>(args_.attention, d, layer.group_size() * layer.window());
-    std::size_t result_bytes = 0;
-    for (const auto& kept : sel.kept) result_bytes += kept.size() * 2 * static_cast<std::size_t>(d) * sizeof(Real);
+    const std::size_t result_bytes = detail::result_rows_bytes(sel.kept, d, sizeof(Real));
     const bool stream = kStreamGathers && result_bytes >= kStreamMinBytes;
     const bool stream_keys = kStreamKeys && result_bytes >= kStreamMinBytes && !args_.reposition.enabled;
     if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
@@ -464,7 +463,7 @@ class Pipeline {
       // sweep over the cache (fills_keys / fills_values) saves the gather's pass over those rows.
       if constexpr (detail::fills_keys<Router>::value) {
         if constexpr (detail::has_route_keys_streaming<Router>::value)
-          router().route(ctx, routing, merged.keys, stream_keys);
+          router().route(ctx, routing, merged.keys, KeptKeyStores{stream_keys});
         else
           router().route(ctx, routing, merged.keys);
       } else {

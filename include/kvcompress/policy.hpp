@@ -208,7 +208,16 @@ struct Routing {
 ///   unspecified contents and must write every row itself (GatedMerge).
 /// A merger or compensator that never reads `keys` may say `static constexpr bool reads_kept_keys =
 /// false` (GatedMerge, Drop and the compensators here do): when both say so, the pipeline writes the
-/// kept keys of a large result with streaming stores (a hint for speed only; the values are the same).
+/// kept keys of a large result with streaming stores (a hint for speed only; the values are the same),
+/// through the gather or, for a fills_keys router that also provides
+/// route(ctx, routing, kept_keys, KeptKeyStores), through the router (BucketRouter).
+/// How a router that fills the kept keys should store them (see MergeOutput): with `streaming`,
+/// non-temporal stores where the rows are aligned for them, for a result that nothing reads soon
+/// after. A hint for speed only: the stored values are the same either way.
+struct KeptKeyStores {
+  bool streaming = false;
+};
+
 template <class Real>
 struct MergeOutput {
   RowMatrix<Real> keys;    // (m, d)

@@ -47,7 +47,7 @@ std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector
     RowMatrix<Real> kept_keys = RowMatrix<Real>::Constant(static_cast<Index>(kept.size()), layer.head_dim(),
                                                           std::numeric_limits<Real>::quiet_NaN());
     Routing routing_fill;
-    BucketRouter<>{args}.route(ctx, routing_fill, kept_keys, streaming);
+    BucketRouter<>{args}.route(ctx, routing_fill, kept_keys, KeptKeyStores{streaming});
     CHECK(routing_fill.target == routing.target);
     for (std::size_t i = 0; i < kept.size(); ++i) {
       bool row_equal = true;

@@ -156,17 +156,18 @@ TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-
   // with many exact ties (a few distinct values), negative scores, ±0 (equal, so a tie), ±infinity,
   // a tie that straddles the cut, and budgets at the edges; per head and shared (whose proposal mask
   // restricts the candidates). `narrow` values all share the keys' top bits and differ only below them,
-  // with exact ties (a grid of 2^17 values in [1, 1.125)): the bin holding the k-th best is then split
-  // again by the next 11 and 10 bits before nth_element (refine_edge).
+  // with exact ties: a grid of 2^17 values in [1, 1.125) spreads over the next 11 bits (one split by
+  // refine_edge), a grid of 2^13 values in [1, 1.002) over only 4 of them and the last 10 (two splits,
+  // the bin holding the k-th best then still has some 2500 candidates) before nth_element.
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(409);
   std::uniform_int_distribution<int> pick(0, 9);
   std::uniform_real_distribution<double> cont(-1.0, 1.0);
-  std::uniform_int_distribution<int> grid(0, (1 << 17) - 1);
+  std::uniform_int_distribution<int> grid(0, (1 << 17) - 1), fine_grid(0, (1 << 13) - 1);
   long cases = 0;
   for (long n : {3000L, 40000L}) {
     const long H = 2;
-    Eigen::MatrixXd few(H, n), wide(H, n), narrow(H, n);
+    Eigen::MatrixXd few(H, n), wide(H, n), narrow(H, n), narrower(H, n);
     for (long g = 0; g < H; ++g)
       for (long j = 0; j < n; ++j) {
         const int v = pick(rng);
@@ -176,12 +177,13 @@ TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-
         wide(g, j) = double(float(cont(rng) * std::pow(10.0, pick(rng) - 5)));
         // exact in float, and so are the shared mean of two heads and max pooling
         narrow(g, j) = 1.0 + std::ldexp(double(grid(rng)), -20);
+        narrower(g, j) = 1.0 + std::ldexp(double(fine_grid(rng)), -22);
       }
     few(0, n / 2) = std::numeric_limits<double>::infinity();
     few(1, n / 3) = -std::numeric_limits<double>::infinity();
     wide(0, 7) = -0.0;
     wide(0, 8) = 0.0;
-    for (const Eigen::MatrixXd* scores : {&few, &wide, &narrow})
+    for (const Eigen::MatrixXd* scores : {&few, &wide, &narrow, &narrower})
       for (long m : {1L, 2L, n / 10, n / 4, n / 2, 4 * n / 5, n - 1})
         for (bool shared : {false, true})
           for (const Config& c : {Config{0, 0, 0, Pooling::none, shared}, Config{4, 32, 5, Pooling::average, shared},
@@ -189,16 +191,53 @@ TEST_CASE("float scores at long lengths: the same sets as the reference (the 64-
             // wide values: only where no arithmetic touches the scores (float and double may round a
             // pooled average or a mean differently)
             if (scores == &wide && (shared || c.pooling == Pooling::average)) continue;
-            if (scores == &narrow && c.pooling == Pooling::average) continue;
+            if ((scores == &narrow || scores == &narrower) && c.pooling == Pooling::average) continue;
             INFO(describe(c) << " n " << n << " m " << m
-                             << (scores == &few ? " few values" : scores == &wide ? " wide values" : " narrow values"));
+                             << (scores == &few    ? " few values"
+                                 : scores == &wide ? " wide values"
+                                 : scores == &narrow ? " narrow values"
+                                                     : " narrower values"));
             std::vector<long> budgets(static_cast<std::size_t>(H), m);
             if (!shared) budgets[1] = std::max(1L, m / 3);
             check_selection<float>(*scores, budgets, c);
             ++cases;
           }
   }
-  CHECK(cases == 2 * 7 * (6 + 2 + 4));
+  CHECK(cases == 2 * 7 * (6 + 2 + 4 + 4));
+}
+
+TEST_CASE("a Selection reused across calls of other shapes holds exactly a fresh call's result", "[selector][reuse]") {
+  // TopK::select overwrites every field and keeps the vectors' capacity: a Selection left by a call
+  // with more or fewer heads, another n, budgets of n or more (nothing evicted) or the other
+  // granularity must not leak into the next result.
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(417);
+  struct Call { long H, n, m; bool shared; };
+  const std::vector<Call> calls = {{3, 700, 100, false}, {2, 300, 400, true}, {4, 900, 50, true},
+                                   {1, 200, 200, false}, {3, 650, 600, false}, {2, 1000, 999, true}};
+  for (Pooling pooling : {Pooling::none, Pooling::average}) {
+    Selection<float> reused;
+    for (const Call& c : calls) {
+      INFO("H " << c.H << " n " << c.n << " m " << c.m << " shared " << c.shared << " pooling " << to_string(pooling));
+      std::vector<Vector<float>> scores(static_cast<std::size_t>(c.H));
+      for (auto& sc : scores) sc = kvc::test::random_matrix(rng, 1, c.n).row(0).transpose().cast<float>();
+      typename TopK<>::Arguments a;
+      a.sinks = 2;
+      a.recent = 5;
+      a.pooling = pooling;
+      a.pool_kernel = pooling == Pooling::none ? 0 : 3;
+      a.granularity = c.shared ? Granularity::shared : Granularity::per_head;
+      const std::vector<Index> budgets(static_cast<std::size_t>(c.H), c.m);
+      Selection<float> fresh;
+      TopK<>{a}.select(scores, budgets, fresh);
+      TopK<>{a}.select(scores, budgets, reused);
+      CHECK(reused.shared == fresh.shared);
+      CHECK(reused.kept == fresh.kept);
+      CHECK(reused.evicted == fresh.evicted);
+      REQUIRE(reused.score.size() == fresh.score.size());
+      for (std::size_t g = 0; g < fresh.score.size(); ++g) CHECK(reused.score[g] == fresh.score[g]);
+    }
+  }
 }
 
 TEST_CASE("NaN scores (check_finite off) rank below every number, in float and double", "[selector][nan]") {

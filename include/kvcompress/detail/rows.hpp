@@ -124,6 +124,15 @@ inline bool copy_row_streaming(const float* src, float* dst, Index d) {
 /// a smaller one may still be in cache when the caller reads it.
 inline constexpr std::size_t kStreamMinBytes = std::size_t(16) << 20;
 
+/// Bytes of a result's key and value rows: 2·m_g·d elements of `element_bytes` summed over the heads'
+/// kept lists. What the pipeline compares with kStreamMinBytes.
+template <class KeptLists>
+std::size_t result_rows_bytes(const KeptLists& kept_per_head, Index d, std::size_t element_bytes) {
+  std::size_t bytes = 0;
+  for (const auto& kept : kept_per_head) bytes += kept.size() * 2 * static_cast<std::size_t>(d) * element_bytes;
+  return bytes;
+}
+
 /// Orders the streaming stores before any later store (sfence), so that whoever reads the rows next
 /// (another thread after a join included) sees them.
 inline void streaming_done() {

@@ -139,16 +139,16 @@ struct BucketRouter {
   /// The same routing, and kept_keys <- the kept tokens' keys (m, d), converted: each is copied as
   /// the sweep passes its position, while the sweep has it in cache (a candidate's row has just been
   /// read), so the pipeline needs no separate pass over the kept keys. kept_keys is resized to (m, d)
-  /// when its shape differs; its previous contents do not matter. With `streaming`, float keys are
-  /// written with streaming stores where kept_keys' rows are aligned for them (the pipeline asks for
-  /// it when nothing after the router reads the kept keys and the result is too large to stay in
+  /// when its shape differs; its previous contents do not matter. With `stores.streaming`, float keys
+  /// are written with streaming stores where kept_keys' rows are aligned for them (the pipeline asks
+  /// for it when nothing after the router reads the kept keys and the result is too large to stay in
   /// cache): the same values, without reading kept_keys' memory first or keeping it in cache.
   template <class T>
   void route(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>& kept_keys,
-             bool streaming = false) const {
+             KeptKeyStores stores = {}) const {
     const Index m = static_cast<Index>(ctx.kept().size());
     if (kept_keys.rows() != m || kept_keys.cols() != ctx.head_dim()) kept_keys.resize(m, ctx.head_dim());
-    route_impl(ctx, routing, &kept_keys, streaming);
+    route_impl(ctx, routing, &kept_keys, stores.streaming);
   }
 
  private:

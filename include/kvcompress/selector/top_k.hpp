@@ -220,8 +220,7 @@ struct TopK {
   /// with the histogram alone and 2.4 ms with refine_edge (thirteenth round).
   static std::vector<Index> top_candidates_float(const Vector<float>& s, Index n, Index m, ForcedCounts f,
                                                  const std::vector<char>* allowed) {
-    constexpr int kShift = 21;                  // the keys' top 32 − 21 = 11 bits
-    constexpr std::uint32_t kOut = 1u << 11;    // the bin of a position `allowed` excludes
+    constexpr std::uint32_t kOut = 1u << (32 - kShift);  // the bin of a position `allowed` excludes
     const Index lo = f.sinks, hi = n - f.recent, len = std::max<Index>(0, hi - lo);
     // bin_of is kept rather than derived again from key and `allowed` in the second pass: deriving it
     // measured 0.1-0.2 ms slower per BM_Select/32768.
@@ -242,6 +241,7 @@ struct TopK {
     while (before + Index(hist[bin]) < k) before += Index(hist[bin++]);
     // Branch-free split (which side a position falls on is data-dependent): every position is
     // written to both arrays and the counts advance by the conditions; one slack slot each.
+    out.reserve(static_cast<std::size_t>(k) + 1);
     out.resize(static_cast<std::size_t>(before) + 1);
     std::vector<std::uint64_t> edge(std::size_t(hist[bin]) + 1);  // the candidates of `bin`
     std::size_t no = 0, ne = 0;
@@ -258,29 +258,35 @@ struct TopK {
     // Real scores crowd into few bins (on the n = 32768 benchmark layer, 23 of 32 thousand scores of
     // a head share their top 11 bits), so a large edge bin is split again by the next bits of the
     // key, 11 and then 10, the same way, before nth_element.
-    refine_edge(edge, need, out, 10);
-    refine_edge(edge, need, out, 0);
+    refine_edge(edge, need, out, kMidShift, kShift);
+    refine_edge(edge, need, out, 0, kMidShift);
     if (need < static_cast<Index>(edge.size())) std::nth_element(edge.begin(), edge.begin() + need, edge.end());
     for (Index i = 0; i < need; ++i) out.push_back(static_cast<Index>(edge[static_cast<std::size_t>(i)] & 0xffffffffu));
     return out;
   }
 
-  /// One more radix step of top_candidates_float on the candidates `edge` (64-bit keys sharing the
-  /// rank key's bits above shift + 11, or above 10 when shift = 0), of which the `need` best are
-  /// wanted: counts the rank key's bits [shift, 21) or [0, 10); the candidates of every bin before the
-  /// one holding the need-th best go to `out`, `edge` keeps that bin's and `need` what is still wanted
-  /// from it. Skipped for a small edge, where nth_element alone is cheaper. The same set either way.
-  static void refine_edge(std::vector<std::uint64_t>& edge, Index& need, std::vector<Index>& out, int shift) {
+  /// Bits of the 32-bit rank key that top_candidates_float's histograms count: [kShift, 32) first,
+  /// then refine_edge's [kMidShift, kShift) and [0, kMidShift).
+  static constexpr int kShift = 21, kMidShift = 10;
+  static_assert(0 < kMidShift && kMidShift < kShift && kShift < 32, "the three ranges cover the key in order");
+
+  /// One more radix step of top_candidates_float on the candidates `edge` (64-bit keys that agree on
+  /// the rank key's bits above `hi_bit`), of which the `need` best are wanted: counts the rank key's
+  /// bits [lo_bit, hi_bit); the candidates of every bin before the one holding the need-th best go to
+  /// `out`, `edge` keeps that bin's and `need` what is still wanted from it. Skipped for a small
+  /// edge, where nth_element alone is cheaper. The same set either way.
+  static void refine_edge(std::vector<std::uint64_t>& edge, Index& need, std::vector<Index>& out, int lo_bit,
+                          int hi_bit) {
     constexpr std::size_t kSmall = 512;
     if (edge.size() <= kSmall || need >= static_cast<Index>(edge.size())) return;
-    const int bits = shift == 0 ? 10 : 11;
-    const std::uint32_t mask = (1u << bits) - 1;
-    const auto bin_of = [&](std::uint64_t e) { return std::uint32_t(e >> (32 + shift)) & mask; };
+    const std::uint32_t mask = (1u << (hi_bit - lo_bit)) - 1;
+    const auto bin_of = [&](std::uint64_t e) { return std::uint32_t(e >> (32 + lo_bit)) & mask; };
     std::vector<std::uint32_t> hist(std::size_t(mask) + 1, 0);
     for (std::uint64_t e : edge) ++hist[bin_of(e)];
     std::uint32_t bin = 0;
     Index before = 0;
     while (before + Index(hist[bin]) < need) before += Index(hist[bin++]);
+    if (hist[bin] == edge.size()) return;  // all in one bin (e.g. tied scores): nothing to split
     std::size_t ne = 0;
     for (std::uint64_t e : edge) {
       const std::uint32_t b = bin_of(e);

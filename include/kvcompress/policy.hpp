@@ -197,6 +197,13 @@ struct Routing {
   bool routed() const { return !target.empty(); }
 };
 
+/// How a router that fills the kept keys should store them (see MergeOutput): with `streaming`,
+/// non-temporal stores where the rows are aligned for them, for a result that nothing reads soon
+/// after. A hint for speed only: the stored values are the same either way.
+struct KeptKeyStores {
+  bool streaming = false;
+};
+
 /// Merger output for one head. The pipeline fills keys and values with the kept tokens' original
 /// rows before calling the merger, so a merger that does nothing (Drop) is the identity. Two opt-ins
 /// save the pipeline's pass over those rows (gathering them from the cache) by writing them inside
@@ -211,13 +218,6 @@ struct Routing {
 /// kept keys of a large result with streaming stores (a hint for speed only; the values are the same),
 /// through the gather or, for a fills_keys router that also provides
 /// route(ctx, routing, kept_keys, KeptKeyStores), through the router (BucketRouter).
-/// How a router that fills the kept keys should store them (see MergeOutput): with `streaming`,
-/// non-temporal stores where the rows are aligned for them, for a result that nothing reads soon
-/// after. A hint for speed only: the stored values are the same either way.
-struct KeptKeyStores {
-  bool streaming = false;
-};
-
 template <class Real>
 struct MergeOutput {
   RowMatrix<Real> keys;    // (m, d)

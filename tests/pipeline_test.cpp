@@ -637,6 +637,84 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
   check(SnapKVGRKV{}, "SnapKVGRKV");
 }
 
+namespace {
+/// Custom selectors for the two opt-ins a selector may declare. Both keep the first m_g positions.
+/// `LastSeed` records the fourth argument select() received.
+inline Index last_seed = -1;
+/// Its select() has a fourth parameter that is not a thread count: the pipeline must not fill it.
+struct SeededSelector {
+  struct Arguments {};
+  Arguments args;
+  Status validate() const { return Status::ok(); }
+  bool shares_positions() const { return false; }
+  template <class Real>
+  void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets, Selection<Real>& out,
+              Index seed = 7) const {
+    last_seed = seed;
+    const Index H = static_cast<Index>(scores.size()), n = H > 0 ? scores[0].size() : 0;
+    out = Selection<Real>{};
+    out.kept.resize(static_cast<std::size_t>(H));
+    out.evicted.resize(static_cast<std::size_t>(H));
+    out.score = scores;
+    for (Index g = 0; g < H; ++g)
+      for (Index j = 0; j < n; ++j) (j < budgets[static_cast<std::size_t>(g)] ? out.kept : out.evicted)[static_cast<std::size_t>(g)].push_back(j);
+  }
+};
+/// Appends to the lists it is given, so it relies on a fresh Selection (it declares no
+/// overwrites_selection): a reused one would hold the previous call's positions as well.
+struct AppendingSelector {
+  struct Arguments {};
+  Arguments args;
+  Status validate() const { return Status::ok(); }
+  bool shares_positions() const { return false; }
+  template <class Real>
+  void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets, Selection<Real>& out) const {
+    const Index H = static_cast<Index>(scores.size()), n = H > 0 ? scores[0].size() : 0;
+    out.kept.resize(static_cast<std::size_t>(H));
+    out.evicted.resize(static_cast<std::size_t>(H));
+    out.score = scores;
+    for (Index g = 0; g < H; ++g)
+      for (Index j = 0; j < n; ++j) (j < budgets[static_cast<std::size_t>(g)] ? out.kept : out.evicted)[static_cast<std::size_t>(g)].push_back(j);
+  }
+};
+}  // namespace
+
+TEST_CASE("custom selectors: the thread count goes only to a SelectorThreads parameter, and a fresh selection to one that appends",
+          "[pipeline][policy]") {
+  INFO("seed " << kvc::test::test_seed());
+  STATIC_REQUIRE(detail::has_select_threads<TopK<>>::value);
+  STATIC_REQUIRE(!detail::has_select_threads<SeededSelector>::value);  // an Index is not a thread count
+  STATIC_REQUIRE(detail::overwrites_selection<TopK<>>::value);
+  STATIC_REQUIRE(detail::overwrites_selection<KeepAll>::value);
+  STATIC_REQUIRE(!detail::overwrites_selection<AppendingSelector>::value);
+  Data f(415, 40);
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
+  {
+    using Pipe = Pipeline<ValueWeighted, SeededSelector, NoRoute, Drop, NoCompensation>;
+    Pipe::Arguments a;
+    a.threads = 3;
+    last_seed = -1;
+    const LayerResult<float> r = Pipe(a).run(b.view(), Budget::tokens(10));
+    CHECK(last_seed == 7);  // its own default, not the pipeline's 3 threads
+    for (const auto& h : r.heads) CHECK(h.size() == 10);
+  }
+  {
+    using Pipe = Pipeline<ValueWeighted, AppendingSelector, NoRoute, Drop, NoCompensation>;
+    LayerResult<float> out;
+    Workspace<float> ws;
+    for (Index m : {12, 5, 12}) {
+      INFO("m " << m);
+      Pipe{}.run(b.view(), Budget::tokens(m), out, ws);
+      check_identical(out, Pipe{}.run(b.view(), Budget::tokens(m)));
+      for (const auto& h : out.heads) {
+        REQUIRE(h.size() == m);
+        for (Index i = 0; i < m; ++i) CHECK(h.positions[static_cast<std::size_t>(i)] == i);
+      }
+    }
+    CHECK(ws.selection.kept.empty());  // the workspace's selection was not used
+  }
+}
+
 TEST_CASE("a result large enough for streaming stores holds exactly the cache rows at the kept positions",
           "[pipeline][gather]") {
   // Presets that only drop tokens, and SelKV's kept keys, write a result of >= 16 MiB with non-temporal stores

@@ -76,6 +76,15 @@ struct reads_kept_keys : std::true_type {};
 template <class P>
 struct reads_kept_keys<P, std::void_t<decltype(P::reads_kept_keys)>> : std::bool_constant<P::reads_kept_keys> {};
 
+/// Whether a selector overwrites every field of the Selection it is given, whatever it held
+/// (`static constexpr bool overwrites_selection`): then the pipeline reuses the Workspace's. False
+/// when a selector does not say, so a custom selector that appends to `kept` gets a fresh one.
+template <class P, class = void>
+struct overwrites_selection : std::false_type {};
+template <class P>
+struct overwrites_selection<P, std::void_t<decltype(P::overwrites_selection)>>
+    : std::bool_constant<P::overwrites_selection> {};
+
 template <class P, class = void>
 struct needs_routing : std::false_type {};
 template <class P>
@@ -104,14 +113,14 @@ struct has_select<P, std::void_t<decltype(std::declval<const P&>().select(
                          std::declval<const std::vector<Index>&>(), std::declval<Selection<float>&>()))>>
     : std::true_type {};
 
-/// A selector whose select() also takes the pipeline's thread count (TopK).
+/// A selector whose select() also takes the pipeline's thread count, as SelectorThreads (TopK).
 template <class P, class = void>
 struct has_select_threads : std::false_type {};
 template <class P>
 struct has_select_threads<P, std::void_t<decltype(std::declval<const P&>().select(
                                  std::declval<const std::vector<Vector<float>>&>(),
                                  std::declval<const std::vector<Index>&>(), std::declval<Selection<float>&>(),
-                                 Index{}))>> : std::true_type {};
+                                 SelectorThreads{}))>> : std::true_type {};
 
 template <class P, class = void>
 struct has_route : std::false_type {};
@@ -152,10 +161,11 @@ struct has_compensate<P, std::void_t<decltype(std::declval<const P&>().compensat
 }  // namespace detail
 
 /// Scratch memory of Pipeline::run reused across calls: the per-worker window-attention buffers
-/// (O(G·W·n) floats each) and the per-head mass and score vectors. An engine that compresses layer
-/// after layer keeps one Workspace (per thread calling run) and passes it with a reused LayerResult,
-/// so that after the first layer none of these buffers, nor the result's, is allocated again. The
-/// stages' smaller per-call temporaries (index lists, pooling and merge scratch, GRKV's per-head
+/// (O(G·W·n) floats each), the per-head mass and score vectors and, for a selector that overwrites
+/// it (TopK, KeepAll), the selection. An engine that compresses layer after layer keeps one
+/// Workspace (per thread calling run) and passes it with a reused LayerResult, so that after the
+/// first layer none of these buffers, nor the result's, is allocated again. The stages' smaller
+/// per-call temporaries (the selector's scratch, pooling and merge scratch, GRKV's per-head
 /// matrices) are still allocated and freed in each call (bench: BM_PipelineReuse's allocs_per_call).
 /// Holds no results: any content is overwritten by the next call.
 template <class Real>
@@ -164,15 +174,18 @@ struct Workspace {
   std::vector<Vector<Real>> mass, score;
   std::vector<Routing> routing;  // per worker: evicted → kept targets of its current head
   std::vector<RowMatrix<Real>> outputs;  // per head (G·W, d): window outputs Y, for mergers that read them
+  Selection<Real> selection;  // the selector's output, for selectors with overwrites_selection (TopK)
 
   /// Bytes currently held.
   std::size_t bytes() const {
     std::size_t b = 0;
     for (const auto& w : window) b += w.bytes();
-    for (const auto* vs : {&mass, &score})
+    for (const auto* vs : {&mass, &score, &selection.score})
       for (const auto& v : *vs) b += static_cast<std::size_t>(v.size()) * sizeof(Real);
     for (const auto& r : routing) b += r.target.capacity() * sizeof(Index);
     for (const auto& y : outputs) b += static_cast<std::size_t>(y.size()) * sizeof(Real);
+    for (const auto* lists : {&selection.kept, &selection.evicted})
+      for (const auto& l : *lists) b += l.capacity() * sizeof(Index);
     return b;
   }
 };
@@ -429,10 +442,12 @@ class Pipeline {
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(scratch);  // one-shot run(): free it now
     if (args_.check_finite) check_folded_scans(layer, finite, values_finite, score);
 
-    // 2. Selection. kept[g]: (m_g) ascending
-    Selection<Real> sel;
+    // 2. Selection. kept[g]: (m_g) ascending. Into the workspace's Selection when the selector
+    //    overwrites all of it (its vectors keep their capacity across calls), else a fresh one.
+    Selection<Real> fresh_selection;
+    Selection<Real>& sel = detail::overwrites_selection<Selector>::value ? ws.selection : fresh_selection;
     if constexpr (detail::has_select_threads<Selector>::value)
-      selector().select(score, budgets, sel, args_.threads);
+      selector().select(score, budgets, sel, SelectorThreads{args_.threads});
     else
       selector().select(score, budgets, sel);
 

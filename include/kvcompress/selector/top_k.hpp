@@ -35,6 +35,14 @@ struct Selection {
   bool shared = false;                      // all heads keep the same positions
 };
 
+/// The thread count a selector may take as select()'s fourth argument (TopK does): the pipeline
+/// passes its Arguments::threads in this tag, never as a bare integer, so a custom selector whose
+/// select() has a fourth parameter of another meaning (a seed, a count) is not handed the thread
+/// count by mistake. As for the pipeline, the selection must not depend on it.
+struct SelectorThreads {
+  Index count = 1;
+};
+
 /// How many tokens are forced for a budget m (SPEC §3): min(sinks, m) first tokens, then up to
 /// `recent` most recent tokens while budget and cache last.
 struct ForcedCounts {
@@ -97,6 +105,9 @@ struct TopK {
     Granularity granularity = DefaultGranularity;
   };
   Arguments args;
+  /// select() overwrites every field of the Selection it is given and keeps its vectors' capacity, so
+  /// the pipeline hands it the one in its Workspace (a policy that says nothing gets a fresh one).
+  static constexpr bool overwrites_selection = true;
 
   Status validate() const {
     using detail::concat;
@@ -113,13 +124,14 @@ struct TopK {
   bool shares_positions() const { return args.granularity == Granularity::shared; }
 
   /// scores: [Hkv](n) raw scores; budgets: [Hkv] entries to keep (already clamped to [1, n]).
-  /// `threads` as Pipeline::Arguments::threads (the pipeline passes its own): the per-head part, the
-  /// pooling and each head's top m' (per head) or proposal (shared), runs on parallel_for; the shared
-  /// trim after it is serial. The same selection, bit for bit, for any thread count.
+  /// `threads.count` as Pipeline::Arguments::threads (the pipeline passes its own): the per-head part,
+  /// the pooling and each head's top m' (per head) or proposal (shared), runs on parallel_for; the
+  /// shared trim after it is serial. The same selection, bit for bit, for any thread count.
   /// Complexity O(Hkv · n log n).
   template <class Real>
   void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets,
-              Selection<Real>& out, Index threads = 1) const {
+              Selection<Real>& out, SelectorThreads threads_ = {}) const {
+    const Index threads = threads_.count;
     const Index H = static_cast<Index>(scores.size());
     const Index n = H > 0 ? scores[0].size() : 0;
     // Every field is overwritten; a reused `out` keeps its vectors' capacity.
@@ -335,6 +347,7 @@ struct TopK {
 struct KeepAll {
   struct Arguments {};
   Arguments args;
+  static constexpr bool overwrites_selection = true;  // see TopK
   Status validate() const { return Status::ok(); }
   bool shares_positions() const { return false; }
 

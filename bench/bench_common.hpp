@@ -47,6 +47,18 @@ inline double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+/// Steal time of the whole machine so far (seconds, summed over its CPUs): time a virtual machine's
+/// vCPUs were ready but the hypervisor ran something else, from /proc/stat's "cpu" line (in 1/100 s
+/// ticks). 0 where there is no /proc/stat. A two-thread measurement that coincides with a jump of
+/// it did not have two cores.
+inline double steal_seconds() {
+  std::ifstream stat("/proc/stat");
+  std::string cpu;
+  unsigned long long user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  if (!(stat >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal) || cpu != "cpu") return 0.0;
+  return double(steal) / 100.0;
+}
+
 // ---- the caller's pages -------------------------------------------------------------------------------
 // By default the layer (the caller's KV cache and queries) lives in the pages malloc gives it: 4 KiB
 // pages on a machine whose transparent huge pages are in "madvise" mode, as on the VM of bench/README.md.

@@ -116,7 +116,8 @@ void BM_FreshResultMemory(benchmark::State& state) {
 /// speedup_reuse: the same ratio for run(layer, ratio, out, workspace) with each side's own result and
 /// workspace kept from a first untimed call, an engine's steady state. The one-shot ratio includes the
 /// fresh result's page faults, whose cost depends on the allocator's state when the benchmark starts
-/// (bench/README.md, thirteenth round).
+/// (bench/README.md, thirteenth round). steal_ms: the machine's steal time (steal_seconds) over the
+/// 14 calls that give both ratios; well above 0, the second vCPU was not always there.
 template <class Preset>
 void BM_PipelineThreads(benchmark::State& state) {
   const Index n = state.range(0), threads = state.range(1);
@@ -131,6 +132,7 @@ void BM_PipelineThreads(benchmark::State& state) {
     benchmark::DoNotOptimize(r.heads.data());
     return wall_seconds() - t0;
   };
+  const double steal0 = steal_seconds();
   double serial = 1e30, best = 1e30;
   for (int rep = 0; rep < 3; ++rep) {
     serial = std::min(serial, wall_of(serial_preset));
@@ -151,7 +153,9 @@ void BM_PipelineThreads(benchmark::State& state) {
     serial_reuse = std::min(serial_reuse, reuse_wall_of(serial_preset, serial_out, serial_ws));
     best_reuse = std::min(best_reuse, reuse_wall_of(preset, out, ws));
   }
+  const double steal = steal_seconds() - steal0;
   for (auto _ : state) state.SetIterationTime(wall_of(preset));
+  state.counters["steal_ms"] = steal * 1e3;
   state.counters["speedup"] = serial / best;
   state.counters["serial_ms"] = serial * 1e3;
   state.counters["speedup_reuse"] = serial_reuse / best_reuse;

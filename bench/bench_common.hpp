@@ -62,11 +62,12 @@ inline double steal_seconds() {
 // ---- the caller's pages -------------------------------------------------------------------------------
 // By default the layer (the caller's KV cache and queries) lives in the pages malloc gives it: 4 KiB
 // pages on a machine whose transparent huge pages are in "madvise" mode, as on the VM of bench/README.md.
-// With the environment variable KVC_BENCH_HUGE_PAGES=1 the filled K, V and Q buffers (and the decode
-// benchmark's caches) are moved into 2 MiB pages (MADV_HUGEPAGE then MADV_COLLAPSE, Linux >= 6.1), as an
-// engine that follows README.md's advice would hold its cache; every layer-sized benchmark then reports
-// huge_frac, the fraction of those bytes the kernel actually put in huge pages (from /proc/self/smaps).
-// The library's own allocations are not affected either way.
+// With the environment variable KVC_BENCH_HUGE_PAGES=1 the K, V and Q buffers (and the decode
+// benchmark's caches and the streaming probes' buffers) are 2 MiB-aligned and advised MADV_HUGEPAGE
+// before their first touch (CacheBuffer), as an engine that follows README.md's advice would hold its
+// cache; every layer-sized benchmark then reports huge_frac, the fraction of those bytes the kernel
+// actually put in huge pages (from /proc/self/smaps). The library's own allocations are not affected
+// either way.
 
 inline bool huge_pages_requested() {
   static const bool on = [] {
@@ -74,26 +75,6 @@ inline bool huge_pages_requested() {
     return v != nullptr && std::string(v) == "1";
   }();
   return on;
-}
-
-/// Asks the kernel to back the whole 2 MiB pages inside [p, p + bytes) with huge pages now (contents kept).
-inline void collapse_to_huge_pages(const void* p, std::size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr std::uintptr_t huge = std::uintptr_t(1) << 21;
-  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p), last = first + bytes;
-  const std::uintptr_t begin = (first + huge - 1) & ~(huge - 1), end = last & ~(huge - 1);
-  if (end <= begin) return;
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#ifdef MADV_COLLAPSE
-  constexpr int collapse = MADV_COLLAPSE;
-#else
-  constexpr int collapse = 25;  // Linux >= 6.1; older kernels answer EINVAL (then huge_frac shows it)
-#endif
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, collapse);
-#else
-  (void)p;
-  (void)bytes;
-#endif
 }
 
 /// Bytes of [p, p + bytes) in mappings' AnonHugePages, by /proc/self/smaps (mappings that overlap the range
@@ -115,17 +96,81 @@ inline double huge_page_bytes(const void* p, std::size_t bytes) {
   return std::min(total, double(bytes));
 }
 
-// ---- the layer ------------------------------------------------------------------------------------------
-// Llama-3.1-8B: Hq 32, Hkv 8, d 128, W 32 (examples/synthetic_demo.hpp's defaults), one per n, cached.
-inline const demo::SyntheticLayer& layer_of(Index n) {
-  static std::map<Index, std::unique_ptr<demo::SyntheticLayer>> cache;
-  auto& slot = cache[n];
-  if (!slot) {
-    slot = std::make_unique<demo::SyntheticLayer>(7, n);
-    if (huge_pages_requested())
-      for (const auto* v : {&slot->keys, &slot->values, &slot->queries})
-        collapse_to_huge_pages(v->data(), v->size() * sizeof(float));
+/// Storage for the benchmark's caches (the layer's K, V and Q, the decode caches). By default a
+/// std::vector, in the pages malloc gives it (on glibc a large block starts 16 bytes past a page
+/// boundary, so the 512-byte rows straddle cache lines). With KVC_BENCH_HUGE_PAGES=1 (Linux) what
+/// README.md advises an engine to do: 2 MiB-aligned memory advised MADV_HUGEPAGE before its first
+/// touch. Until the fourteenth round (bench/README.md) it was std::vector memory collapsed into huge
+/// pages after filling (MADV_COLLAPSE), which left each block's unaligned ends in 4 KiB pages
+/// (huge_frac 0.94 for the 25 % decode cache at n = 32768).
+template <class T = float>
+class CacheBuffer {
+ public:
+  explicit CacheBuffer(std::size_t count) : count_(count) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (huge_pages_requested() && count > 0) {
+      constexpr std::size_t huge = std::size_t(1) << 21;
+      mapped_ = (count * sizeof(T) + 2 * huge - 1) / huge * huge;
+      void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p != MAP_FAILED) {
+        base_ = p;
+        const std::uintptr_t aligned = (reinterpret_cast<std::uintptr_t>(p) + huge - 1) & ~std::uintptr_t(huge - 1);
+        data_ = reinterpret_cast<T*>(aligned);
+        (void)::madvise(data_, (count * sizeof(T) + huge - 1) / huge * huge, MADV_HUGEPAGE);
+        std::fill(data_, data_ + count, T(0.0f));
+        return;
+      }
+      mapped_ = 0;
+    }
+#endif
+    vec_.assign(count, T(0.0f));
+    data_ = vec_.data();
   }
+  CacheBuffer(const CacheBuffer&) = delete;
+  CacheBuffer& operator=(const CacheBuffer&) = delete;
+  ~CacheBuffer() {
+#if defined(__linux__)
+    if (base_) ::munmap(base_, mapped_);
+#endif
+  }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  std::size_t size() const { return count_; }
+  T& operator[](std::size_t i) { return data_[i]; }
+  const T& operator[](std::size_t i) const { return data_[i]; }
+
+ private:
+  std::size_t count_ = 0, mapped_ = 0;
+  void* base_ = nullptr;
+  T* data_ = nullptr;
+  std::vector<T> vec_;
+};
+
+// ---- the layer ------------------------------------------------------------------------------------------
+/// Llama-3.1-8B: Hq 32, Hkv 8, d 128, W 32: the data of examples/synthetic_demo.hpp's SyntheticLayer
+/// (seed 7), copied into CacheBuffers.
+struct BenchLayer {
+  Index kv_heads, query_heads, tokens, dim, window;
+  CacheBuffer<float> keys, values, queries;
+  explicit BenchLayer(const demo::SyntheticLayer& l)
+      : kv_heads(l.kv_heads), query_heads(l.query_heads), tokens(l.tokens), dim(l.dim), window(l.window),
+        keys(l.keys.size()), values(l.values.size()), queries(l.queries.size()) {
+    std::copy(l.keys.begin(), l.keys.end(), keys.data());
+    std::copy(l.values.begin(), l.values.end(), values.data());
+    std::copy(l.queries.begin(), l.queries.end(), queries.data());
+  }
+  LayerView<float> view() const {
+    return {make_head_major<const float>(keys.data(), kv_heads, tokens, dim),
+            make_head_major<const float>(values.data(), kv_heads, tokens, dim),
+            make_head_major<const float>(queries.data(), query_heads, window, dim)};
+  }
+};
+
+/// The layer of n tokens, built once per n and cached.
+inline const BenchLayer& layer_of(Index n) {
+  static std::map<Index, std::unique_ptr<BenchLayer>> cache;
+  auto& slot = cache[n];
+  if (!slot) slot = std::make_unique<BenchLayer>(demo::SyntheticLayer(7, n));
   return *slot;
 }
 
@@ -219,8 +264,8 @@ inline double stream_bytes_per_second(std::size_t bytes) {
   if (it != cache.end()) return it->second;
   using A = simd::default_arch;
   using B = simd::fbatch<A>;
-  std::vector<float> buf(bytes / sizeof(float), 1.0f);
-  if (huge_pages_requested()) collapse_to_huge_pages(buf.data(), buf.size() * sizeof(float));  // as the caches
+  CacheBuffer<float> buf(bytes / sizeof(float));  // in huge pages when the caches are
+  std::fill(buf.data(), buf.data() + buf.size(), 1.0f);
   double best = 0.0;
   for (int rep = 0; rep < 3; ++rep) {
     const double t0 = thread_seconds();

@@ -11,11 +11,10 @@ using namespace kvc::bench;
 
 template <class T>
 struct DecodeCache {
-  std::vector<T> keys, values;
   Index heads = 8, tokens = 0, dim = 128;
-  DecodeCache(const demo::SyntheticLayer& layer, Index t) : tokens(t) {
-    keys.resize(std::size_t(heads * t * dim));
-    values.resize(keys.size());
+  CacheBuffer<T> keys, values;
+  DecodeCache(const BenchLayer& layer, Index t)
+      : tokens(t), keys(std::size_t(heads * t * dim)), values(std::size_t(heads * t * dim)) {
     for (Index g = 0; g < heads; ++g)
       for (Index j = 0; j < t; ++j)
         for (Index c = 0; c < dim; ++c) {
@@ -23,8 +22,6 @@ struct DecodeCache {
           keys[dst] = T(layer.keys[src]);
           values[dst] = T(layer.values[src]);
         }
-    if (huge_pages_requested())
-      for (const auto* v : {&keys, &values}) collapse_to_huge_pages(v->data(), v->size() * sizeof(T));
   }
   double huge_fraction() const { return kv_huge_fraction(keys.data(), values.data(), keys.size() * sizeof(T)); }
   TensorView<const T> k() const { return make_head_major<const T>(keys.data(), heads, tokens, dim); }
@@ -79,7 +76,8 @@ void BM_StreamFma(benchmark::State& state) {
   constexpr std::size_t S = B::size;
   const Index n = state.range(0), m = n / 4;
   const std::size_t bytes = std::size_t(2 * 8 * m * 128) * sizeof(float);
-  const std::vector<float> buf(bytes / sizeof(float), 1.0f);
+  CacheBuffer<float> buf(bytes / sizeof(float));  // in huge pages when the caches are (before the fourteenth round never)
+  std::fill(buf.data(), buf.data() + buf.size(), 1.0f);
   double best = 1e30;
   for (auto _ : state) {
     const double t0 = thread_seconds();

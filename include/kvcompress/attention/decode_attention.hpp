@@ -116,16 +116,21 @@ void decode_tile_scores(const float* q, const TensorView<const T>& keys, Index g
 /// o_h (d) += Σ_{j < rows} w[h · w_stride + j] · v_j for NH output rows o_h = o + h·d and `rows`
 /// value rows v_j = v + j·v_stride: sweeps of two batches of columns over the rows, accumulated in
 /// registers (simd::axpy_block), then one batch, then the scalar column tail. While sweeping, the
-/// `prefetch_bytes` at `prefetch` (the next block of rows, or null) are prefetched front to back.
+/// `prefetch_bytes` at `prefetch` (the next block of rows, or null) are prefetched front to back, as
+/// many lines per row read as it takes to cover them in the vector sweeps (2 with 16-lane batches and
+/// d = 128: 64 row reads for a 16-row block of 128 lines; until the fourteenth round 1, which left the
+/// second half of every next block to the hardware prefetcher, bench/README.md).
 template <class Arch, int NH, class T>
 void decode_block_values(const float* w, Index w_stride, const T* v, Index v_stride, Index rows, Index d, float* o,
                          const char* prefetch, Index prefetch_bytes) {
   constexpr Index S = simd::fbatch<Arch>::size;
+  const Index sweeps = d / (2 * S) + (d % (2 * S) >= S ? 1 : 0), reads = sweeps * rows;
+  const Index lines = reads > 0 ? std::max<Index>(1, ((prefetch_bytes + 63) / 64 + reads - 1) / reads) : 1;
   Index c = 0, step = 0;
   for (; c + 2 * S <= d; c += 2 * S, step += rows)
-    simd::axpy_block<Arch, NH, 2>(w, w_stride, v, v_stride, rows, c, o, d, prefetch, prefetch_bytes, step);
+    simd::axpy_block<Arch, NH, 2>(w, w_stride, v, v_stride, rows, c, o, d, prefetch, prefetch_bytes, step, lines);
   if (c + S <= d) {
-    simd::axpy_block<Arch, NH, 1>(w, w_stride, v, v_stride, rows, c, o, d, prefetch, prefetch_bytes, step);
+    simd::axpy_block<Arch, NH, 1>(w, w_stride, v, v_stride, rows, c, o, d, prefetch, prefetch_bytes, step, lines);
     c += S;
   }
   for (; c < d; ++c)

@@ -107,13 +107,14 @@ inline void dots_block(const float* q, Index q_stride, const T* const* k, Index 
 /// o_h = o + h·o_stride, n < NC <= 2 full batches starting at column c0, value rows v_j = v + j·v_stride
 /// of type T. Rows are accumulated in order j = 0, 1, ... into registers (o loaded and stored once).
 /// A caller sweeping the columns of a block of rows (strided reads) can hand over a region to prefetch
-/// in linear order, one 64-byte line per row read: line (prefetch_step + j) of the prefetch_bytes at
-/// prefetch_base (null: none; the region must lie inside the caller's buffer). Prefetching the next
-/// block front to back this way keeps the memory stream sequential even though the reads are strided.
+/// in linear order, `prefetch_lines` 64-byte lines per row read: lines (prefetch_step + j)·prefetch_lines
+/// + [0, prefetch_lines) of the prefetch_bytes at prefetch_base (null: none; the region must lie inside
+/// the caller's buffer). Prefetching the next block front to back this way keeps the memory stream
+/// sequential even though the reads are strided.
 template <class A, int NH, int NC, class T>
 inline void axpy_block(const float* w, Index w_stride, const T* v, Index v_stride, Index rows, Index c0, float* o,
                        Index o_stride, const char* prefetch_base = nullptr, Index prefetch_bytes = 0,
-                       Index prefetch_step = 0) {
+                       Index prefetch_step = 0, Index prefetch_lines = 1) {
   static_assert(NH >= 1 && NH <= 4 && NC >= 1 && NC <= 2, "axpy_block: NH <= 4, NC <= 2");
   using B = fbatch<A>;
   constexpr Index S = B::size;
@@ -124,8 +125,11 @@ inline void axpy_block(const float* w, Index w_stride, const T* v, Index v_strid
     for (int n = 0; n < NC; ++n) acc[h][n] = B::load_unaligned(o + h * o_stride + c0 + n * S);
   for (Index j = 0; j < rows; ++j) {
     const T* vj = v + j * v_stride + c0;
-    if (prefetch_base != nullptr && (prefetch_step + j) * 64 < prefetch_bytes)
-      prefetch(prefetch_base + (prefetch_step + j) * 64);
+    if (prefetch_base != nullptr)
+      for (Index l = 0; l < prefetch_lines; ++l) {
+        const Index offset = ((prefetch_step + j) * prefetch_lines + l) * 64;
+        if (offset < prefetch_bytes) prefetch(prefetch_base + offset);
+      }
     B vv[NC];
 #pragma GCC unroll 2
     for (int n = 0; n < NC; ++n) {

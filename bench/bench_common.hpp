@@ -26,6 +26,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -48,15 +49,20 @@ inline double wall_seconds() {
 }
 
 /// Steal time of the whole machine so far (seconds, summed over its CPUs): time a virtual machine's
-/// vCPUs were ready but the hypervisor ran something else, from /proc/stat's "cpu" line (in 1/100 s
-/// ticks). 0 where there is no /proc/stat. A two-thread measurement that coincides with a jump of
-/// it did not have two cores.
+/// vCPUs were ready but the hypervisor ran something else, from /proc/stat's "cpu" line (in clock
+/// ticks, 10 ms on Linux). 0 where there is no /proc/stat, and always 0 under a hypervisor that does
+/// not account steal. A two-thread measurement that coincides with a jump of it did not have two cores.
 inline double steal_seconds() {
   std::ifstream stat("/proc/stat");
   std::string cpu;
   unsigned long long user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
   if (!(stat >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal) || cpu != "cpu") return 0.0;
-  return double(steal) / 100.0;
+#if defined(__linux__)
+  const long ticks = ::sysconf(_SC_CLK_TCK);
+#else
+  const long ticks = 100;
+#endif
+  return double(steal) / double(ticks > 0 ? ticks : 100);
 }
 
 // ---- the caller's pages -------------------------------------------------------------------------------
@@ -148,7 +154,8 @@ class CacheBuffer {
 
 // ---- the layer ------------------------------------------------------------------------------------------
 /// Llama-3.1-8B: Hq 32, Hkv 8, d 128, W 32: the data of examples/synthetic_demo.hpp's SyntheticLayer
-/// (seed 7), copied into CacheBuffers.
+/// (seed 7), copied into CacheBuffers (while the copy runs the layer is held twice: 2 GiB of K and V
+/// at n = 131072).
 struct BenchLayer {
   Index kv_heads, query_heads, tokens, dim, window;
   CacheBuffer<float> keys, values, queries;

@@ -635,11 +635,35 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
   selkv_threaded.threads = 2;
   check(SelKV(selkv_threaded), "SelKV, 2 threads");
   check(SnapKVGRKV{}, "SnapKVGRKV");
+  check(FullCache{}, "FullCache");
+  {  // TopK writes into the workspace's Selection: a reused call of the same shape keeps its lists
+    LayerResult<float> out;
+    Workspace<float> ws;
+    SnapKV{}.run(bl.view(), Budget::ratio(0.3), out, ws);
+    REQUIRE(ws.selection.kept.size() == 2);
+    const Index* kept_before = ws.selection.kept[0].data();
+    SnapKV{}.run(bl.view(), Budget::ratio(0.3), out, ws);
+    CHECK(ws.selection.kept[0].data() == kept_before);
+    CHECK(ws.bytes() >= ws.selection.kept[0].capacity() * sizeof(Index));
+  }
+  {  // one workspace and result across presets whose selections differ in kind: shared (SelKV),
+     // per head (SnapKV), all positions (FullCache), and back
+    LayerResult<float> out;
+    Workspace<float> ws;
+    SelKV{}.run(bl.view(), Budget::ratio(0.3), out, ws);
+    check_identical(out, SelKV{}.run(bl.view(), Budget::ratio(0.3)));
+    SnapKV{}.run(bs.view(), std::vector<Index>{7, 30}, out, ws);
+    check_identical(out, SnapKV{}.run(bs.view(), std::vector<Index>{7, 30}));
+    FullCache{}.run(bl.view(), Budget::ratio(0.3), out, ws);
+    check_identical(out, FullCache{}.run(bl.view(), Budget::ratio(0.3)));
+    SelKV{}.run(bs.view(), Budget::tokens(25), out, ws);
+    check_identical(out, SelKV{}.run(bs.view(), Budget::tokens(25)));
+  }
 }
 
 namespace {
 /// Custom selectors for the two opt-ins a selector may declare. Both keep the first m_g positions.
-/// `LastSeed` records the fourth argument select() received.
+/// `last_seed` records the fourth argument SeededSelector::select() received.
 inline Index last_seed = -1;
 /// Its select() has a fourth parameter that is not a thread count: the pipeline must not fill it.
 struct SeededSelector {

@@ -174,7 +174,7 @@ struct Workspace {
   std::vector<Vector<Real>> mass, score;
   std::vector<Routing> routing;  // per worker: evicted → kept targets of its current head
   std::vector<RowMatrix<Real>> outputs;  // per head (G·W, d): window outputs Y, for mergers that read them
-  Selection<Real> selection;  // the selector's output, for selectors with overwrites_selection (TopK)
+  Selection<Real> selection;  // the selector's output, for selectors with overwrites_selection (TopK, KeepAll)
 
   /// Bytes currently held.
   std::size_t bytes() const {

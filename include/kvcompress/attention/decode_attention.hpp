@@ -117,9 +117,9 @@ void decode_tile_scores(const float* q, const TensorView<const T>& keys, Index g
 /// value rows v_j = v + j·v_stride: sweeps of two batches of columns over the rows, accumulated in
 /// registers (simd::axpy_block), then one batch, then the scalar column tail. While sweeping, the
 /// `prefetch_bytes` at `prefetch` (the next block of rows, or null) are prefetched front to back, as
-/// many lines per row read as it takes to cover them in the vector sweeps (2 with 16-lane batches and
-/// d = 128: 64 row reads for a 16-row block of 128 lines; until the fourteenth round 1, which left the
-/// second half of every next block to the hardware prefetcher, bench/README.md).
+/// many lines per row read as it takes to cover them in the vector sweeps (2 for float rows with
+/// 16-lane batches and d = 128: 64 row reads for a 16-row block of 128 lines; until the fourteenth
+/// round 1, which left the second half of every next block to the hardware prefetcher, bench/README.md).
 template <class Arch, int NH, class T>
 void decode_block_values(const float* w, Index w_stride, const T* v, Index v_stride, Index rows, Index d, float* o,
                          const char* prefetch, Index prefetch_bytes) {

@@ -356,9 +356,13 @@ struct KeepAll {
               Selection<Real>& out) const {
     const Index H = static_cast<Index>(scores.size());
     const Index n = H > 0 ? scores[0].size() : 0;
-    out.kept.assign(H, std::vector<Index>(n));
-    for (auto& k : out.kept) std::iota(k.begin(), k.end(), Index(0));
-    out.evicted.assign(H, {});
+    out.kept.resize(static_cast<std::size_t>(H));  // every field overwritten, capacity kept (see TopK)
+    out.evicted.resize(static_cast<std::size_t>(H));
+    for (auto& k : out.kept) {
+      k.resize(static_cast<std::size_t>(n));
+      std::iota(k.begin(), k.end(), Index(0));
+    }
+    for (auto& e : out.evicted) e.clear();
     out.score = scores;
     out.shared = false;
   }

@@ -663,29 +663,8 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
 
 namespace {
 /// Custom selectors for the two opt-ins a selector may declare. Both keep the first m_g positions.
-/// `last_seed` records the fourth argument SeededSelector::select() received.
-inline Index last_seed = -1;
-/// Its select() has a fourth parameter that is not a thread count: the pipeline must not fill it.
-struct SeededSelector {
-  struct Arguments {};
-  Arguments args;
-  Status validate() const { return Status::ok(); }
-  bool shares_positions() const { return false; }
-  template <class Real>
-  void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets, Selection<Real>& out,
-              Index seed = 7) const {
-    last_seed = seed;
-    const Index H = static_cast<Index>(scores.size()), n = H > 0 ? scores[0].size() : 0;
-    out = Selection<Real>{};
-    out.kept.resize(static_cast<std::size_t>(H));
-    out.evicted.resize(static_cast<std::size_t>(H));
-    out.score = scores;
-    for (Index g = 0; g < H; ++g)
-      for (Index j = 0; j < n; ++j) (j < budgets[static_cast<std::size_t>(g)] ? out.kept : out.evicted)[static_cast<std::size_t>(g)].push_back(j);
-  }
-};
-/// Appends to the lists it is given, so it relies on a fresh Selection (it declares no
-/// overwrites_selection): a reused one would hold the previous call's positions as well.
+/// AppendingSelector appends to the lists it is given, so it relies on a fresh Selection (it declares
+/// no overwrites_selection): a reused one would hold the previous call's positions as well.
 struct AppendingSelector {
   struct Arguments {};
   Arguments args;
@@ -699,6 +678,19 @@ struct AppendingSelector {
     out.score = scores;
     for (Index g = 0; g < H; ++g)
       for (Index j = 0; j < n; ++j) (j < budgets[static_cast<std::size_t>(g)] ? out.kept : out.evicted)[static_cast<std::size_t>(g)].push_back(j);
+  }
+};
+/// `last_seed` records the fourth argument SeededSelector::select() received.
+inline Index last_seed = -1;
+/// AppendingSelector into a cleared Selection, with a fourth parameter that is not a thread count:
+/// the pipeline must not fill it.
+struct SeededSelector : AppendingSelector {
+  template <class Real>
+  void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets, Selection<Real>& out,
+              Index seed = 7) const {
+    last_seed = seed;
+    out = Selection<Real>{};
+    AppendingSelector::select(scores, budgets, out);
   }
 };
 }  // namespace

@@ -731,6 +731,29 @@ TEST_CASE("custom selectors: the thread count goes only to a SelectorThreads par
   }
 }
 
+namespace {
+/// A custom merger that breaks the MergeOutput contract: it sets no gates.
+struct GatelessMerger {
+  struct Arguments {};
+  static constexpr bool needs_mass = false;
+  static constexpr bool needs_routing = false;
+  Arguments args;
+  Status validate(Index, Index) const { return Status::ok(); }
+  template <class T>
+  void merge(const HeadContext<T>&, const Routing&, MergeOutput<compute_t<T>>&) const {}
+};
+}  // namespace
+
+TEST_CASE("a merger that does not set one gate per evicted token is reported", "[pipeline][policy]") {
+  Data f(416, 40);
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
+  using Pipe = Pipeline<ValueWeighted, TopK<>, NoRoute, GatelessMerger, NoCompensation>;
+  CHECK_THROWS_WITH(Pipe{}.run(b.view(), Budget::tokens(10)),
+                    Catch::Contains("the merger set 0 gates for KV head 0, which evicts 30 tokens"));
+  const LayerResult<float> all = Pipe{}.run(b.view(), Budget::tokens(40));  // nothing evicted: no gate needed
+  for (const auto& h : all.heads) CHECK(h.size() == 40);
+}
+
 TEST_CASE("a result large enough for streaming stores holds exactly the cache rows at the kept positions",
           "[pipeline][gather]") {
   // Presets that only drop tokens, and SelKV's kept keys, write a result of >= 16 MiB with non-temporal stores

@@ -81,6 +81,28 @@ std::string concat(const Args&... args) {
   (os << ... << args);
   return os.str();
 }
+
+/// Working memory a value type carries for the policy that fills it (Selection, Routing,
+/// MergeOutput), so that a reused object needs no allocation. It is not part of the owner's value:
+/// a copy starts with an empty T, and a copy assignment leaves the target's own T in place (moves
+/// move it).
+template <class T>
+class NotCopied {
+ public:
+  NotCopied() = default;
+  NotCopied(const NotCopied&) : value_() {}
+  NotCopied(NotCopied&&) = default;
+  NotCopied& operator=(const NotCopied&) { return *this; }
+  NotCopied& operator=(NotCopied&&) = default;
+  ~NotCopied() = default;
+  T& operator*() { return value_; }
+  const T& operator*() const { return value_; }
+  T* operator->() { return &value_; }
+  const T* operator->() const { return &value_; }
+
+ private:
+  T value_;
+};
 }  // namespace detail
 
 /// Evaluates a Status-returning expression and returns it from the enclosing function if it failed.

@@ -161,20 +161,27 @@ struct has_compensate<P, std::void_t<decltype(std::declval<const P&>().compensat
 }  // namespace detail
 
 /// Scratch memory of Pipeline::run reused across calls: the per-worker window-attention buffers
-/// (O(G·W·n) floats each), the per-head mass and score vectors and, for a selector that overwrites
-/// it (TopK, KeepAll), the selection. An engine that compresses layer after layer keeps one
-/// Workspace (per thread calling run) and passes it with a reused LayerResult, so that after the
-/// first layer none of these buffers, nor the result's, is allocated again. The stages' smaller
-/// per-call temporaries (the selector's scratch, pooling and merge scratch, GRKV's per-head
-/// matrices) are still allocated and freed in each call (bench: BM_PipelineReuse's allocs_per_call).
+/// (O(G·W·n) floats each), the per-head mass and score vectors, for a selector that overwrites it
+/// (TopK, KeepAll) the selection, a Routing per worker and a MergeOutput per head. The policies here
+/// keep their working memory in those (Selection::scratch, Routing::scratch, MergeOutput::scratch).
+/// An engine that compresses layer after layer keeps one Workspace (per thread calling run) and
+/// passes it with a reused LayerResult: with repeating shapes and threads = 1, a reused call of
+/// every preset but the GRKV ones then allocates nothing with float arithmetic
+/// (tests/pipeline_alloc_test.cpp; double arithmetic: Eigen's product allocates its blocking buffer
+/// once per head; threads > 1: the threads). RidgeMerge still allocates its per-head matrices in
+/// each call (bench: BM_PipelineReuse's allocs_per_call).
 /// Holds no results: any content is overwritten by the next call.
 template <class Real>
 struct Workspace {
   std::vector<WindowWorkspace<Real>> window;
   std::vector<Vector<Real>> mass, score;
-  std::vector<Routing> routing;  // per worker: evicted → kept targets of its current head
+  std::vector<Routing> routing;  // per worker: evicted → kept targets of its current head (and the router's scratch)
+  std::vector<MergeOutput<Real>> merged;  // per head: its gates and the merger's scratch (keys and values empty between calls)
   std::vector<RowMatrix<Real>> outputs;  // per head (G·W, d): window outputs Y, for mergers that read them
   Selection<Real> selection;  // the selector's output, for selectors with overwrites_selection (TopK, KeepAll)
+  std::vector<Index> budgets;  // per head, clamped to n
+  std::vector<char> finite, values_finite;  // per head: the folded NaN/Inf scans
+  Vector<Real> shared_bias;  // shared selection: the mean bias
 
   /// Bytes currently held.
   std::size_t bytes() const {
@@ -182,11 +189,15 @@ struct Workspace {
     for (const auto& w : window) b += w.bytes();
     for (const auto* vs : {&mass, &score, &selection.score})
       for (const auto& v : *vs) b += static_cast<std::size_t>(v.size()) * sizeof(Real);
-    for (const auto& r : routing) b += r.target.capacity() * sizeof(Index);
+    for (const auto& r : routing) b += r.target.capacity() * sizeof(Index) + r.scratch->bytes();
+    for (const auto& mo : merged)
+      b += static_cast<std::size_t>(mo.keys.size() + mo.values.size() + mo.gate.size()) * sizeof(Real) + mo.scratch->bytes();
+    b += budgets.capacity() * sizeof(Index) + finite.capacity() + values_finite.capacity() +
+         static_cast<std::size_t>(shared_bias.size()) * sizeof(Real);
     for (const auto& y : outputs) b += static_cast<std::size_t>(y.size()) * sizeof(Real);
     for (const auto* lists : {&selection.kept, &selection.evicted})
       for (const auto& l : *lists) b += l.capacity() * sizeof(Index);
-    return b;
+    return b + selection.scratch->bytes();
   }
 };
 
@@ -253,7 +264,7 @@ class Pipeline {
   LayerResult<compute_t<T>> run(const LayerView<T>& layer, const Budget& budget) const {
     LayerResult<compute_t<T>> out;
     Workspace<compute_t<T>> ws;
-    run_unchecked(layer, checked_budgets(layer, budget), out, ws, /*release_scratch=*/true);
+    run_unchecked(layer, checked_budgets(layer, budget, ws.budgets), out, ws, /*release_scratch=*/true);
     return out;
   }
 
@@ -261,26 +272,25 @@ class Pipeline {
   LayerResult<compute_t<T>> run(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
     LayerResult<compute_t<T>> out;
     Workspace<compute_t<T>> ws;
-    run_unchecked(layer, checked_budgets(layer, budgets), out, ws, /*release_scratch=*/true);
+    run_unchecked(layer, checked_budgets(layer, budgets, ws.budgets), out, ws, /*release_scratch=*/true);
     return out;
   }
 
   /// As run(layer, budget), writing into `out` and taking scratch memory from `ws`: both keep their
   /// allocations from call to call, so compressing layer after layer with the same shapes allocates
-  /// none of the result's or the workspace's buffers after the first call (the stages' smaller
-  /// per-call temporaries still are: see Workspace). `out` is overwritten entirely (its previous content is not read);
+  /// nothing after the first call (threads = 1, float arithmetic, any preset but GRKV: see Workspace). `out` is overwritten entirely (its previous content is not read);
   /// on a validation error it is left untouched. Neither may be shared by concurrent calls.
   template <class T>
   void run(const LayerView<T>& layer, const Budget& budget, LayerResult<compute_t<T>>& out,
            Workspace<compute_t<T>>& ws) const {
-    run_unchecked(layer, checked_budgets(layer, budget), out, ws);
+    run_unchecked(layer, checked_budgets(layer, budget, ws.budgets), out, ws);
   }
 
   /// Per-head budgets, writing into `out` with scratch memory from `ws` (see above).
   template <class T>
   void run(const LayerView<T>& layer, const std::vector<Index>& budgets, LayerResult<compute_t<T>>& out,
            Workspace<compute_t<T>>& ws) const {
-    run_unchecked(layer, checked_budgets(layer, budgets), out, ws);
+    run_unchecked(layer, checked_budgets(layer, budgets, ws.budgets), out, ws);
   }
 
  private:
@@ -297,7 +307,8 @@ class Pipeline {
       return Status::fail(Status::Code::invalid_budget,
                           detail::concat("budget resolves to ", m, " tokens for a cache of ", layer.tokens(),
                                          " (ratio ", budget.rho(), "): it must keep at least one"));
-    return validate_options(layer, std::vector<Index>(layer.kv_heads(), std::min(m, layer.tokens())));
+    const Index clamped = std::min(m, layer.tokens());
+    return validate_options(layer, [clamped](Index) { return clamped; });
   }
 
   template <class T>
@@ -313,9 +324,7 @@ class Pipeline {
       if (budgets[g] <= 0)
         return Status::fail(Status::Code::invalid_budget,
                             detail::concat("budgets[", g, "] = ", budgets[g], ": must be >= 1"));
-    std::vector<Index> clamped(budgets);
-    for (auto& b : clamped) b = std::min(b, layer.tokens());
-    return validate_options(layer, clamped);
+    return validate_options(layer, [&](Index g) { return std::min(budgets[static_cast<std::size_t>(g)], layer.tokens()); });
   }
 
   static constexpr bool kNeedsMass = detail::needs_mass<Scorer>::value || detail::needs_mass<Router>::value ||
@@ -373,32 +382,37 @@ class Pipeline {
     s.throw_if_error();  // not reached: the full check fails whenever the partial one does
   }
 
-  /// validate() or throw; the per-head budgets clamped to n.
+  /// validate() or throw; `out` <- the per-head budgets clamped to n (returned; `budgets` may be `out`).
   template <class T>
-  std::vector<Index> checked_budgets(const LayerView<T>& layer, const Budget& budget) const {
+  const std::vector<Index>& checked_budgets(const LayerView<T>& layer, const Budget& budget,
+                                            std::vector<Index>& out) const {
     throw_if_invalid(layer, budget);
-    return std::vector<Index>(layer.kv_heads(), std::min(budget.resolve(layer.tokens()), layer.tokens()));
+    out.assign(static_cast<std::size_t>(layer.kv_heads()), std::min(budget.resolve(layer.tokens()), layer.tokens()));
+    return out;
   }
   template <class T>
-  std::vector<Index> checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
+  const std::vector<Index>& checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets,
+                                            std::vector<Index>& out) const {
     throw_if_invalid(layer, budgets);
-    std::vector<Index> clamped(budgets);
-    for (auto& b : clamped) b = std::min(b, layer.tokens());
-    return clamped;
+    out.resize(budgets.size());
+    for (std::size_t g = 0; g < budgets.size(); ++g) out[g] = std::min(budgets[g], layer.tokens());
+    return out;
   }
 
-  template <class T>
-  Status validate_options(const LayerView<T>& layer, const std::vector<Index>& budgets) const {
+  /// budget_of(g): KV head g's budget, clamped to n.
+  template <class T, class BudgetOf>
+  Status validate_options(const LayerView<T>& layer, const BudgetOf& budget_of) const {
+    const Index H = layer.kv_heads();
     KVC_RETURN_IF_ERROR(args_.attention.validate());
     KVC_RETURN_IF_ERROR(scorer().validate());
     KVC_RETURN_IF_ERROR(selector().validate());
     KVC_RETURN_IF_ERROR(router().validate());
-    for (Index b : budgets) KVC_RETURN_IF_ERROR(merger().validate(layer.tokens(), b));
+    for (Index g = 0; g < H; ++g) KVC_RETURN_IF_ERROR(merger().validate(layer.tokens(), budget_of(g)));
     KVC_RETURN_IF_ERROR(compensator().validate());
     KVC_RETURN_IF_ERROR(args_.reposition.validate(layer.head_dim()));
     if (selector().shares_positions())
-      for (Index b : budgets)
-        if (b != budgets[0])
+      for (Index g = 1; g < H; ++g)
+        if (budget_of(g) != budget_of(0))
           return Status::fail(Status::Code::invalid_budget,
                               "shared selection needs the same budget for every KV head");
     return Status::ok();
@@ -425,8 +439,10 @@ class Pipeline {
     std::vector<WindowWorkspace<Real>>& scratch = ws.window;
     if (kNeedsMass && static_cast<Index>(scratch.size()) < worker_count(H, args_.threads))
       scratch.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
-    std::vector<char> finite(static_cast<std::size_t>(H), 1);         // per head: every window logit finite
-    std::vector<char> values_finite(static_cast<std::size_t>(H), 1);  // per head: every value row finite
+    std::vector<char>& finite = ws.finite;                // per head: every window logit finite
+    std::vector<char>& values_finite = ws.values_finite;  // per head: every value row finite
+    finite.assign(static_cast<std::size_t>(H), 1);
+    values_finite.assign(static_cast<std::size_t>(H), 1);
     if (kOutputsFromMass) ws.outputs.resize(static_cast<std::size_t>(H));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       if (kScanValuesPerHead && args_.check_finite)
@@ -463,14 +479,28 @@ class Pipeline {
     const bool stream_keys = kStreamKeys && result_bytes >= kStreamMinBytes && !args_.reposition.enabled;
     if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
       ws.routing.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
+    if (static_cast<Index>(ws.merged.size()) < H) ws.merged.resize(static_cast<std::size_t>(H));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g],
                                kOutputsFromMass ? &ws.outputs[static_cast<std::size_t>(g)] : nullptr);
       Routing& routing = ws.routing[static_cast<std::size_t>(worker)];
       HeadResult<Real>& out = result.heads[g];
-      MergeOutput<Real> merged;
-      merged.keys.swap(out.keys);  // reuse the storage of a previous call
+      // The head's MergeOutput: its gate and merger scratch keep their storage from call to call
+      // (per head, so that heads of different budgets reallocate nothing either); keys and values
+      // are the result's own storage, lent for this head and handed back at the end of this scope,
+      // also when a policy throws.
+      MergeOutput<Real>& merged = ws.merged[static_cast<std::size_t>(g)];
+      merged.diagnostics = HeadDiagnostics{};
+      merged.keys.swap(out.keys);
       merged.values.swap(out.values);
+      struct GiveBack {
+        MergeOutput<Real>& from;
+        HeadResult<Real>& to;
+        ~GiveBack() {
+          to.keys.swap(from.keys);
+          to.values.swap(from.values);
+        }
+      } give_back{merged, out};
       const Index m = static_cast<Index>(sel.kept[g].size());
       detail::resize_advised(merged.keys, m, d);  // (m_g, d): the kept rows, written below by the
       detail::resize_advised(merged.values, m, d);  // router / merger or by the gathers
@@ -488,19 +518,21 @@ class Pipeline {
       if constexpr (!detail::fills_values<Merger>::value)
         detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values, stream);
       merger().merge(ctx, routing, merged);
+      if (merged.gate.size() != static_cast<Index>(sel.evicted[g].size()))
+        throw error(detail::concat("the merger set ", merged.gate.size(), " gates for KV head ", g, ", which evicts ",
+                                   sel.evicted[g].size(), " tokens: MergeOutput::gate needs one per evicted token"));
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
 
       out.positions = sel.kept[g];
       out.diagnostics = merged.diagnostics;
       fill_counts(merged, out.diagnostics);
-      out.keys.swap(merged.keys);
-      out.values.swap(merged.values);
     });
 
     // 4. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
     if (sel.shared && H > 1) {
-      Vector<Real> mean = Vector<Real>::Zero(result.heads[0].size());
+      Vector<Real>& mean = ws.shared_bias;
+      mean.setZero(result.heads[0].size());
       for (const auto& h : result.heads) mean += h.bias;
       mean /= static_cast<Real>(H);
       for (auto& h : result.heads) h.bias = mean;

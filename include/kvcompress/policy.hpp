@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace kvc {
@@ -190,11 +191,52 @@ class HeadContext {
   mutable std::optional<RowMatrix<Real>> outputs_;
 };
 
+namespace detail {
+
+/// A router's working memory, kept in the Routing it fills (BucketRouter: its current bucket's
+/// candidate rows, their inverse norms and the dots against them), so that a reused Routing (the
+/// pipeline keeps one per worker in its Workspace) needs no allocation.
+struct RouteScratch {
+  std::tuple<std::vector<const float*>, std::vector<const double*>, std::vector<const Eigen::half*>,
+             std::vector<const Eigen::bfloat16*>>
+      rows;
+  std::tuple<std::vector<float>, std::vector<double>> reals;
+  std::vector<float> dots;
+  template <class T>
+  std::vector<const T*>& rows_of() { return std::get<std::vector<const T*>>(rows); }
+  template <class Real>
+  std::vector<Real>& reals_of() { return std::get<std::vector<Real>>(reals); }
+  std::size_t bytes() const {
+    return std::get<0>(rows).capacity() * sizeof(void*) + std::get<1>(rows).capacity() * sizeof(void*) +
+           std::get<2>(rows).capacity() * sizeof(void*) + std::get<3>(rows).capacity() * sizeof(void*) +
+           std::get<0>(reals).capacity() * sizeof(float) + std::get<1>(reals).capacity() * sizeof(double) +
+           dots.capacity() * sizeof(float);
+  }
+};
+
+/// A merger's working memory, kept in the MergeOutput it fills (GatedMerge: each kept entry's last
+/// contribution, its added weight and its target's Σ v²), so that the pipeline's per-worker
+/// MergeOutput needs no allocation on a reused call.
+template <class Real>
+struct MergeScratch {
+  std::vector<Index> last;
+  Vector<Real> added, target_ss;
+  std::size_t bytes() const {
+    return last.capacity() * sizeof(Index) + static_cast<std::size_t>(added.size() + target_ss.size()) * sizeof(Real);
+  }
+};
+
+}  // namespace detail
+
 /// Router output for one head: for each evicted token (in ctx.evicted() order) the index into
-/// ctx.kept() of its target, or -1 when the router routes nothing (NoRoute).
+/// ctx.kept() of its target, or -1 when the router routes nothing (NoRoute). The pipeline reuses one
+/// Routing per worker from head to head and call (a router must write all of `target`); a router may
+/// keep working memory in `scratch` (BucketRouter does) or allocate its own.
 struct Routing {
   std::vector<Index> target;
   bool routed() const { return !target.empty(); }
+  /// The router's working memory (not part of the value: copies start without it).
+  detail::NotCopied<detail::RouteScratch> scratch;
 };
 
 /// How a router that fills the kept keys should store them (see MergeOutput): with `streaming`,
@@ -218,12 +260,19 @@ struct KeptKeyStores {
 /// kept keys of a large result with streaming stores (a hint for speed only; the values are the same),
 /// through the gather or, for a fills_keys router that also provides
 /// route(ctx, routing, kept_keys, KeptKeyStores), through the router (BucketRouter).
+/// Every merger must set `gate` to one entry per evicted token (Drop: zeros), writing every entry on
+/// every path: the pipeline keeps one MergeOutput per KV head from call to call, so `gate` arrives
+/// holding that head's gates of the previous call (`scratch` keeps its storage too; keys, values and
+/// diagnostics are the current call's). The pipeline checks the gate's size after each merge.
+/// A merger may keep working memory in `scratch` (GatedMerge does) or allocate its own.
 template <class Real>
 struct MergeOutput {
   RowMatrix<Real> keys;    // (m, d)
   RowMatrix<Real> values;  // (m, d)
   Vector<Real> gate;       // (n - m) gate of each evicted token (0 = dropped)
   HeadDiagnostics diagnostics;
+  /// The merger's working memory (not part of the value: copies start without it).
+  detail::NotCopied<detail::MergeScratch<Real>> scratch;
 };
 
 }  // namespace kvc

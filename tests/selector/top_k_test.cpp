@@ -478,6 +478,13 @@ TEST_CASE("pool_region: average pooling equals the per-position loop bit for bit
             }
           REQUIRE(got.size() == n);
           CHECK((got.array() == want.array()).all());
+          // In place (out is x), and into a reused output of another content.
+          Vector<float> inplace = x;
+          pool_region(inplace, lo, hi, kernel, Pooling::average, inplace);
+          CHECK((inplace.array() == want.array()).all());
+          Vector<float> reused = Vector<float>::Constant(n, -3.0f);
+          pool_region(x, lo, hi, kernel, Pooling::average, reused);
+          CHECK((reused.array() == want.array()).all());
         }
   }
 }

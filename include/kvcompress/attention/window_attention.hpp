@@ -109,15 +109,21 @@ struct WindowWorkspace {
 
 /// Group queries of KV head `g`, stacked: (G·W, d), row r = local_head * W + i, where window row i
 /// is absolute position n - W + i. Only the last W = layer.window() query rows are read.
+/// Into `q`, resized only when its shape differs (no allocation when reused).
 template <class Real, class T>
-RowMatrix<Real> gather_group_queries(const LayerView<T>& layer, Index g) {
+void gather_group_queries_into(const LayerView<T>& layer, Index g, RowMatrix<Real>& q) {
   const Index G = layer.group_size(), W = layer.window(), d = layer.head_dim();
   const Index first = layer.queries.tokens - W;
-  RowMatrix<Real> q(G * W, d);
+  if (q.rows() != G * W || q.cols() != d) q.resize(G * W, d);
   for (Index hl = 0; hl < G; ++hl) {
     auto block = q.middleRows(hl * W, W);
     detail::gather_rows<Real>(layer.queries, g * G + hl, first, W, block);
   }
+}
+template <class Real, class T>
+RowMatrix<Real> gather_group_queries(const LayerView<T>& layer, Index g) {
+  RowMatrix<Real> q;
+  gather_group_queries_into<Real>(layer, g, q);
   return q;
 }
 
@@ -179,7 +185,7 @@ void window_exp_tiles(const LayerView<T>& layer, Index g, const AttentionArgumen
   const Index R = G * W, tiles = (n + kSoftmaxTile - 1) / kSoftmaxTile;
   const float scale = static_cast<float>(args.resolved_scale(d));
   const float cap = static_cast<float>(args.softcap);
-  ws.queries = gather_group_queries<float>(layer, g);  // (R, d)
+  gather_group_queries_into<float>(layer, g, ws.queries);  // (R, d)
   ws.exps.resize(R, n);
   ws.shift.resize(tiles, R);
   ws.row_max.setConstant(R, -std::numeric_limits<float>::infinity());
@@ -261,7 +267,7 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   const Index R = G * W, Rp = simd::padded_queries<Arch>(R);
   const Index tiles = (n + kSoftmaxTile - 1) / kSoftmaxTile, base = n - W;
   const float cap = static_cast<float>(args.softcap);
-  ws.queries = gather_group_queries<float>(layer, g);  // (R, d)
+  gather_group_queries_into<float>(layer, g, ws.queries);  // (R, d)
   // The opt-in AMX product (float keys only), else the FMA kernel's query panels.
   const bool amx = Rp == simd::padded_queries<simd::default_arch>(R) &&
                    window_product_for<T>(args, d, R) == WindowProduct::amx_bf16x3;
@@ -342,7 +348,10 @@ bool window_mass(const LayerView<T>& layer, Index g, const AttentionArguments& a
   if constexpr (std::is_same_v<Real, float>) {
     return detail::window_mass_fused<simd::default_arch>(layer, g, args, mass, ws);
   } else {
-    window_probabilities<Real>(layer, g, args, ws.exps);
+    // window_probabilities' double path, with the group queries in the workspace.
+    gather_group_queries_into<Real>(layer, g, ws.queries);
+    window_logits(layer, g, ws.queries, args, ws.exps);
+    causal_softmax_rows(ws.exps, layer.tokens(), layer.window());
     mass_from_probabilities(ws.exps, layer.group_size(), mass);
     return mass.allFinite();
   }

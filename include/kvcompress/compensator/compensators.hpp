@@ -57,14 +57,16 @@ struct AttentionRatio {
     bias.setZero(m);
     if (!routing.routed()) return;
     const Real tau = detail::mass_floor(a);
-    Vector<Real> added = Vector<Real>::Zero(m);
+    // The added mass Σ_{π(j)=i} g_j·a_j is summed in `bias` itself, then replaced by the bias.
     const auto& evicted = ctx.evicted();
     for (std::size_t e = 0; e < evicted.size(); ++e)
-      added[routing.target[e]] += merged.gate[static_cast<Index>(e)] * a[evicted[e]];
+      bias[routing.target[e]] += merged.gate[static_cast<Index>(e)] * a[evicted[e]];
     for (Index i = 0; i < m; ++i) {
-      if (added[i] <= Real(0)) continue;
+      const Real added = bias[i];
+      bias[i] = Real(0);
+      if (added <= Real(0)) continue;
       const Real own = std::max(a[kept[i]], tau);
-      double r = (double(own) + double(added[i])) / double(own);
+      double r = (double(own) + double(added)) / double(own);
       if (args.r_max > 0.0) r = std::min(r, args.r_max);
       bias[i] = static_cast<Real>(args.alpha * std::log(r));
     }
@@ -86,11 +88,13 @@ struct MergeCount {
     const Index m = static_cast<Index>(ctx.kept().size());
     bias.setZero(m);
     if (!routing.routed()) return;
-    Vector<Real> count = Vector<Real>::Zero(m);
+    // M_i is summed in `bias` itself, then replaced by the bias.
     for (std::size_t e = 0; e < routing.target.size(); ++e)
-      count[routing.target[e]] += merged.gate[static_cast<Index>(e)];
-    for (Index i = 0; i < m; ++i)
-      if (count[i] > Real(0)) bias[i] = static_cast<Real>(std::log1p(double(count[i])));
+      bias[routing.target[e]] += merged.gate[static_cast<Index>(e)];
+    for (Index i = 0; i < m; ++i) {
+      const Real count = bias[i];
+      bias[i] = count > Real(0) ? static_cast<Real>(std::log1p(double(count))) : Real(0);
+    }
   }
 };
 

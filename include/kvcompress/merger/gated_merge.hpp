@@ -116,7 +116,7 @@ struct CosineGate {};  // g = max(cos(v_j, v_π(j)), 0)
 /// then). So the pipeline has no separate pass over the kept values. Value rows are prefetched
 /// ahead of the sweep.
 /// Deterministic: the order of every sum is fixed by the routing. Cost O(n·d), extra memory O(m) (no
-/// (m, d) temporary).
+/// (m, d) temporary), kept in out.scratch.
 template <class Gate>
 struct GatedMerge {
   struct Arguments {};
@@ -148,12 +148,14 @@ struct GatedMerge {
     detail::KeptRowWriter<T, Real> writer(ctx.layer().values, ctx.head(), kept, out.values);
 
     // last[i]: the last evicted index e routed to kept entry i (−1: none).
-    std::vector<Index> last(static_cast<std::size_t>(m), Index(-1));
+    std::vector<Index>& last = out.scratch->last;
+    last.assign(static_cast<std::size_t>(m), Index(-1));
     for (std::size_t e = 0; e < evicted.size(); ++e) last[static_cast<std::size_t>(routing.target[e])] = Index(e);
     const auto unrouted = [&](Index i) { return last[static_cast<std::size_t>(i)] < 0; };
 
-    Vector<Real> added = Vector<Real>::Zero(m);  // Σ g_j·a_j per kept entry
-    Vector<Real> target_ss;                      // CosineGate: Σ v_i² of each target (−1 = not yet)
+    Vector<Real>& added = out.scratch->added;          // Σ g_j·a_j per kept entry
+    added.setZero(m);
+    Vector<Real>& target_ss = out.scratch->target_ss;  // CosineGate: Σ v_i² of each target (−1 = not yet)
     if constexpr (cosine_gate) target_ss.setConstant(m, Real(-1));
     detail::RowPrefetcher<T> prefetch(ctx.layer().values, ctx.head(), kPrefetchRows);
     const std::size_t E = evicted.size();

@@ -183,12 +183,13 @@ struct BucketRouter {
     const RouteStatistic stat = args.statistic;
     const RowMatrix<Real>* probs = stat == RouteStatistic::co_attention ? &ctx.probabilities() : nullptr;
 
-    // Candidate range [lo, hi) of the current bucket, and per-candidate data for it (index c − lo).
+    // Candidate range [lo, hi) of the current bucket, and per-candidate data for it (index c − lo),
+    // in the Routing's scratch (kept across calls).
     Index lo = 0, hi = B > 0 ? 0 : m, bucket_start = -1;
-    std::vector<const T*> cand_key;  // key rows in the cache
-    std::vector<Real> inv_norm;      // 1 / ‖k_i‖, 0 for a zero-norm key
+    std::vector<const T*>& cand_key = routing.scratch->rows_of<T>();  // key rows in the cache
+    std::vector<Real>& inv_norm = routing.scratch->reals_of<Real>();  // 1 / ‖k_i‖, 0 for a zero-norm key
     // float: the dots of evicted indices [group_first, group_end) against the candidates, (kGroup, c)
-    std::vector<float> dots;
+    std::vector<float>& dots = routing.scratch->dots;
     std::size_t group_first = 0, group_end = 0;
     Index mass_best = -1;            // window_mass: the bucket's argmax (independent of j)
     auto load_candidates = [&] {

@@ -26,23 +26,6 @@ inline const char* to_string(Pooling p) {
 }
 inline const char* to_string(Granularity g) { return g == Granularity::per_head ? "per_head" : "shared"; }
 
-/// The selector's output: per KV head the kept positions (ascending) and the score it ranked by.
-template <class Real>
-struct Selection {
-  std::vector<std::vector<Index>> kept;     // [Hkv][m_g]
-  std::vector<std::vector<Index>> evicted;  // [Hkv][n - m_g]
-  std::vector<Vector<Real>> score;          // [Hkv](n) pooled score (the head mean when shared)
-  bool shared = false;                      // all heads keep the same positions
-};
-
-/// The thread count a selector may take as select()'s fourth argument (TopK does): the pipeline
-/// passes its Arguments::threads in this tag, never as a bare integer, so a custom selector whose
-/// select() has a fourth parameter of another meaning (a seed, a count) is not handed the thread
-/// count by mistake. As for the pipeline, the selection must not depend on it.
-struct SelectorThreads {
-  Index count = 1;
-};
-
 /// How many tokens are forced for a budget m (SPEC §3): min(sinks, m) first tokens, then up to
 /// `recent` most recent tokens while budget and cache last.
 struct ForcedCounts {
@@ -56,12 +39,74 @@ inline ForcedCounts forced_counts(Index n, Index m, Index sinks, Index recent) {
   return f;
 }
 
+namespace detail {
+
+/// Working memory of TopK::select, kept in the Selection it fills (Selection::scratch) so that a
+/// reused Selection needs no allocation: every buffer is resized, never shrunk.
+template <class Real>
+struct SelectScratch {
+  /// Per worker of parallel_for: the top-candidate buffers of one head.
+  struct Worker {
+    std::vector<char> flag;                      // (n) kept flags (keep_one)
+    std::vector<Index> top;                      // the head's top candidates (keep_one)
+    std::vector<std::uint32_t> key, bin_of;      // (len) rank keys and their bins (float path)
+    std::vector<std::uint32_t> hist;             // histogram of the current radix step (float path)
+    std::vector<std::uint64_t> edge;             // the candidates of the edge bin (float path)
+    std::vector<std::pair<Real, Index>> cand;    // (score, position) pairs (other paths)
+  };
+  std::vector<ForcedCounts> forced;              // [Hkv]
+  std::vector<Worker> worker;                    // [workers]
+  std::vector<std::vector<Index>> proposal;      // [Hkv] each head's top candidates (shared)
+  std::vector<char> proposed;                    // (n) union of the proposals (shared)
+  Vector<Real> mean;                             // (n) mean pooled score (shared)
+
+  /// Bytes currently held (capacities).
+  std::size_t bytes() const {
+    std::size_t b = forced.capacity() * sizeof(ForcedCounts) + proposed.capacity() +
+                    static_cast<std::size_t>(mean.size()) * sizeof(Real);
+    for (const auto& w : worker)
+      b += w.flag.capacity() + w.top.capacity() * sizeof(Index) +
+           (w.key.capacity() + w.bin_of.capacity() + w.hist.capacity()) * sizeof(std::uint32_t) +
+           w.edge.capacity() * sizeof(std::uint64_t) + w.cand.capacity() * sizeof(std::pair<Real, Index>);
+    for (const auto& p : proposal) b += p.capacity() * sizeof(Index);
+    return b;
+  }
+};
+
+}  // namespace detail
+
+/// The selector's output: per KV head the kept positions (ascending) and the score it ranked by.
+template <class Real>
+struct Selection {
+  std::vector<std::vector<Index>> kept;     // [Hkv][m_g]
+  std::vector<std::vector<Index>> evicted;  // [Hkv][n - m_g]
+  std::vector<Vector<Real>> score;          // [Hkv](n) pooled score (the head mean when shared)
+  bool shared = false;                      // all heads keep the same positions
+  /// TopK's working memory, kept so that a reused Selection needs no allocation (not part of the
+  /// value: copies start without it).
+  detail::NotCopied<detail::SelectScratch<Real>> scratch;
+};
+
+/// The thread count a selector may take as select()'s fourth argument (TopK does): the pipeline
+/// passes its Arguments::threads in this tag, never as a bare integer, so a custom selector whose
+/// select() has a fourth parameter of another meaning (a seed, a count) is not handed the thread
+/// count by mistake. As for the pipeline, the selection must not depend on it.
+struct SelectorThreads {
+  Index count = 1;
+};
+
 /// 1-D pooling of `x` over [lo, hi) only, in place of `out` (other entries copied from x):
 /// average with zero padding at the region's edges and divisor `kernel` (avg_pool1d default), or
-/// max over the in-region part of the window. O(n·kernel).
+/// max over the in-region part of the window. O(n·kernel). `out` may be `x` (then x is copied
+/// first); otherwise nothing is allocated when `out` already has x's size.
 template <class Real>
 void pool_region(const Vector<Real>& x, Index lo, Index hi, Index kernel, Pooling kind,
                  Vector<Real>& out) {
+  if (&x == &out) {  // the in-place sums below read x while writing out
+    const Vector<Real> copy = x;
+    pool_region(copy, lo, hi, kernel, kind, out);
+    return;
+  }
   out = x;
   if (kind == Pooling::none || kernel <= 1 || hi - lo <= 0) return;
   const Index half = kernel / 2;
@@ -78,9 +123,10 @@ void pool_region(const Vector<Real>& x, Index lo, Index hi, Index kernel, Poolin
     for (Index j = lo; j < in_lo; ++j) edge(j);
     if (in_hi > in_lo) {
       const Index len = in_hi - in_lo;
-      Vector<Real> acc = Real(0) + x.segment(in_lo - half, len).array();
-      for (Index t = 1; t < kernel; ++t) acc.array() += x.segment(in_lo - half + t, len).array();
-      out.segment(in_lo, len) = acc / static_cast<Real>(kernel);
+      auto acc = out.segment(in_lo, len).array();  // summed in place (x and out are different vectors)
+      acc = Real(0) + x.segment(in_lo - half, len).array();
+      for (Index t = 1; t < kernel; ++t) acc += x.segment(in_lo - half + t, len).array();
+      acc /= static_cast<Real>(kernel);
     }
     for (Index j = in_hi; j < hi; ++j) edge(j);
   } else {
@@ -140,35 +186,41 @@ struct TopK {
     out.score.resize(static_cast<std::size_t>(H));
     out.shared = shares_positions();
 
-    std::vector<ForcedCounts> forced(H);
+    auto& scratch = *out.scratch;
+    auto& forced = scratch.forced;
+    forced.resize(static_cast<std::size_t>(H));
     for (Index g = 0; g < H; ++g) forced[g] = forced_counts(n, budgets[g], args.sinks, args.recent);
     const Index pool = args.pooling == Pooling::none ? 0 : args.pool_kernel;
     const auto pooled = [&](Index g) {
       pool_region(scores[g], forced[g].sinks, n - forced[g].recent, pool, args.pooling, out.score[g]);
     };
+    const Index workers = worker_count(H, threads);
+    if (static_cast<Index>(scratch.worker.size()) < workers) scratch.worker.resize(static_cast<std::size_t>(workers));
 
     if (!out.shared) {
-      std::vector<std::vector<char>> flag(static_cast<std::size_t>(worker_count(H, threads)),
-                                          std::vector<char>(static_cast<std::size_t>(n)));
       parallel_for(H, threads, [&](Index g, Index worker) {
         pooled(g);
-        keep_one(out.score[g], n, budgets[g], forced[g], nullptr, flag[static_cast<std::size_t>(worker)],
+        keep_one(out.score[g], n, budgets[g], forced[g], nullptr, scratch.worker[static_cast<std::size_t>(worker)],
                  out.kept[g], out.evicted[g]);
       });
     } else {
       // Each head proposes its own top m'; the union is trimmed to m' by the mean pooled score.
-      std::vector<std::vector<Index>> proposal(static_cast<std::size_t>(H));
-      parallel_for(H, threads, [&](Index g, Index) {
+      auto& proposal = scratch.proposal;
+      proposal.resize(static_cast<std::size_t>(H));
+      parallel_for(H, threads, [&](Index g, Index worker) {
         pooled(g);
-        proposal[static_cast<std::size_t>(g)] = top_candidates(out.score[g], n, budgets[g], forced[g], nullptr);
+        top_candidates(out.score[g], n, budgets[g], forced[g], nullptr, scratch.worker[static_cast<std::size_t>(worker)],
+                       proposal[static_cast<std::size_t>(g)]);
       });
-      Vector<Real> mean = Vector<Real>::Zero(n);
+      Vector<Real>& mean = scratch.mean;
+      mean.setZero(n);
       for (Index g = 0; g < H; ++g) mean += out.score[g];
       mean /= static_cast<Real>(H);
-      std::vector<char> proposed(static_cast<std::size_t>(n), 0), flag(static_cast<std::size_t>(n));
+      auto& proposed = scratch.proposed;
+      proposed.assign(static_cast<std::size_t>(n), 0);
       for (const auto& heads_top : proposal)
         for (Index p : heads_top) proposed[static_cast<std::size_t>(p)] = 1;
-      if (H > 0) keep_one(mean, n, budgets[0], forced[0], &proposed, flag, out.kept[0], out.evicted[0]);
+      if (H > 0) keep_one(mean, n, budgets[0], forced[0], &proposed, scratch.worker[0], out.kept[0], out.evicted[0]);
       for (Index g = 0; g < H; ++g) {
         if (g > 0) {
           out.kept[g] = out.kept[0];
@@ -184,14 +236,16 @@ struct TopK {
   /// ranks below every number), restricted to `allowed` positions when given. Unsorted. The order is
   /// strict and total, so the set is unique; it is found by nth_element on (score, position) pairs
   /// (contiguous keys), or for float scores by top_candidates_float (the same set).
+  /// `out` <- the candidates; `w` holds the scratch (its buffers keep their capacity).
   template <class Real>
-  static std::vector<Index> top_candidates(const Vector<Real>& s, Index n, Index m, ForcedCounts f,
-                                           const std::vector<char>* allowed) {
-    std::vector<Index> out;
-    if (m >= n) return out;
+  static void top_candidates(const Vector<Real>& s, Index n, Index m, ForcedCounts f, const std::vector<char>* allowed,
+                             typename detail::SelectScratch<Real>::Worker& w, std::vector<Index>& out) {
+    out.clear();
+    if (m >= n) return;
     if constexpr (std::is_same_v<Real, float>)
-      if (static_cast<std::uint64_t>(n) <= 0xffffffffu) return top_candidates_float(s, n, m, f, allowed);
-    std::vector<std::pair<Real, Index>> cand;
+      if (static_cast<std::uint64_t>(n) <= 0xffffffffu) return top_candidates_float(s, n, m, f, allowed, w, out);
+    auto& cand = w.cand;
+    cand.clear();
     cand.reserve(static_cast<std::size_t>(std::max<Index>(0, n - f.sinks - f.recent)));
     for (Index j = f.sinks; j < n - f.recent; ++j)
       if (!allowed || (*allowed)[static_cast<std::size_t>(j)]) cand.emplace_back(s[j], j);
@@ -206,7 +260,6 @@ struct TopK {
     if (k < static_cast<Index>(cand.size())) std::nth_element(cand.begin(), cand.begin() + k, cand.end(), better);
     out.resize(static_cast<std::size_t>(k));
     for (Index i = 0; i < k; ++i) out[static_cast<std::size_t>(i)] = cand[static_cast<std::size_t>(i)].second;
-    return out;
   }
 
   /// Order key of a float score: a smaller key is a better score (the IEEE bits mapped to an unsigned
@@ -230,14 +283,17 @@ struct TopK {
   /// BM_Select, 3.00 ms for pairs, 1.58–1.66 with the top-bit histogram (ninth round); on SelKV's
   /// scores of the benchmark layer, where 23 of 32 thousand scores share their top 11 bits, 3.5 ms
   /// with the histogram alone and 2.4 ms with refine_edge (thirteenth round).
-  static std::vector<Index> top_candidates_float(const Vector<float>& s, Index n, Index m, ForcedCounts f,
-                                                 const std::vector<char>* allowed) {
+  static void top_candidates_float(const Vector<float>& s, Index n, Index m, ForcedCounts f,
+                                   const std::vector<char>* allowed, detail::SelectScratch<float>::Worker& w,
+                                   std::vector<Index>& out) {
     constexpr std::uint32_t kOut = 1u << (32 - kShift);  // the bin of a position `allowed` excludes
     const Index lo = f.sinks, hi = n - f.recent, len = std::max<Index>(0, hi - lo);
     // bin_of is kept rather than derived again from key and `allowed` in the second pass: deriving it
     // measured 0.1-0.2 ms slower per BM_Select/32768.
-    std::vector<std::uint32_t> key(static_cast<std::size_t>(len)), bin_of(static_cast<std::size_t>(len));
-    std::vector<std::uint32_t> hist(kOut + 1, 0);
+    auto &key = w.key, &bin_of = w.bin_of, &hist = w.hist;
+    key.resize(static_cast<std::size_t>(len));
+    bin_of.resize(static_cast<std::size_t>(len));
+    hist.assign(kOut + 1, 0);
     for (Index i = 0; i < len; ++i) {
       const std::uint32_t r = rank_key(s[lo + i]);
       const bool in = !allowed || (*allowed)[static_cast<std::size_t>(lo + i)];
@@ -246,8 +302,7 @@ struct TopK {
       ++hist[bin_of[static_cast<std::size_t>(i)]];
     }
     const Index k = std::min<Index>(m - f.sinks - f.recent, len - Index(hist[kOut]));
-    std::vector<Index> out;
-    if (k <= 0) return out;
+    if (k <= 0) return;
     std::uint32_t bin = 0;
     Index before = 0;  // candidates in bins < bin: all of them are in
     while (before + Index(hist[bin]) < k) before += Index(hist[bin++]);
@@ -255,7 +310,8 @@ struct TopK {
     // written to both arrays and the counts advance by the conditions; one slack slot each.
     out.reserve(static_cast<std::size_t>(k) + 1);
     out.resize(static_cast<std::size_t>(before) + 1);
-    std::vector<std::uint64_t> edge(std::size_t(hist[bin]) + 1);  // the candidates of `bin`
+    auto& edge = w.edge;  // the candidates of `bin`
+    edge.resize(std::size_t(hist[bin]) + 1);
     std::size_t no = 0, ne = 0;
     for (Index i = 0; i < len; ++i) {
       const std::uint32_t b = bin_of[static_cast<std::size_t>(i)];
@@ -270,11 +326,10 @@ struct TopK {
     // Real scores crowd into few bins (on the n = 32768 benchmark layer, 23 of 32 thousand scores of
     // a head share their top 11 bits), so a large edge bin is split again by the next bits of the
     // key, 11 and then 10, the same way, before nth_element.
-    refine_edge(edge, need, out, kMidShift, kShift);
-    refine_edge(edge, need, out, 0, kMidShift);
+    refine_edge(edge, need, out, hist, kMidShift, kShift);
+    refine_edge(edge, need, out, hist, 0, kMidShift);
     if (need < static_cast<Index>(edge.size())) std::nth_element(edge.begin(), edge.begin() + need, edge.end());
     for (Index i = 0; i < need; ++i) out.push_back(static_cast<Index>(edge[static_cast<std::size_t>(i)] & 0xffffffffu));
-    return out;
   }
 
   /// Bits of the 32-bit rank key that top_candidates_float's histograms count: [kShift, 32) first,
@@ -287,13 +342,15 @@ struct TopK {
   /// bits [lo_bit, hi_bit); the candidates of every bin before the one holding the need-th best go to
   /// `out`, `edge` keeps that bin's and `need` what is still wanted from it. Skipped for a small
   /// edge, where nth_element alone is cheaper. The same set either way.
-  static void refine_edge(std::vector<std::uint64_t>& edge, Index& need, std::vector<Index>& out, int lo_bit,
-                          int hi_bit) {
+  /// `hist` is scratch (overwritten). `out` has room for every candidate pushed (top_candidates_float
+  /// reserved k + 1), so nothing is allocated.
+  static void refine_edge(std::vector<std::uint64_t>& edge, Index& need, std::vector<Index>& out,
+                          std::vector<std::uint32_t>& hist, int lo_bit, int hi_bit) {
     constexpr std::size_t kSmall = 512;
     if (edge.size() <= kSmall || need >= static_cast<Index>(edge.size())) return;
     const std::uint32_t mask = (1u << (hi_bit - lo_bit)) - 1;
     const auto bin_of = [&](std::uint64_t e) { return std::uint32_t(e >> (32 + lo_bit)) & mask; };
-    std::vector<std::uint32_t> hist(std::size_t(mask) + 1, 0);
+    hist.assign(std::size_t(mask) + 1, 0);
     for (std::uint64_t e : edge) ++hist[bin_of(e)];
     std::uint32_t bin = 0;
     Index before = 0;
@@ -310,10 +367,11 @@ struct TopK {
   }
 
   /// kept (ascending) <- forced sinks and recent tokens + the top candidates; evicted (ascending) <- the
-  /// rest. `flag` is scratch of n entries.
+  /// rest. `w` is scratch (its buffers keep their capacity).
   template <class Real>
   static void keep_one(const Vector<Real>& s, Index n, Index m, ForcedCounts f, const std::vector<char>* allowed,
-                       std::vector<char>& flag, std::vector<Index>& kept, std::vector<Index>& evicted) {
+                       typename detail::SelectScratch<Real>::Worker& w, std::vector<Index>& kept,
+                       std::vector<Index>& evicted) {
     kept.clear();
     evicted.clear();
     if (m >= n) {
@@ -321,8 +379,10 @@ struct TopK {
       std::iota(kept.begin(), kept.end(), Index(0));
       return;
     }
-    std::fill(flag.begin(), flag.end(), char(0));
-    for (Index p : top_candidates(s, n, m, f, allowed)) flag[static_cast<std::size_t>(p)] = 1;
+    auto& flag = w.flag;
+    flag.assign(static_cast<std::size_t>(n), char(0));
+    top_candidates(s, n, m, f, allowed, w, w.top);
+    for (Index p : w.top) flag[static_cast<std::size_t>(p)] = 1;
     for (Index j = 0; j < f.sinks; ++j) flag[static_cast<std::size_t>(j)] = 1;
     for (Index j = n - f.recent; j < n; ++j) flag[static_cast<std::size_t>(j)] = 1;
     Index count = 0;

@@ -215,7 +215,7 @@ struct RouteScratch {
 };
 
 /// A merger's working memory, kept in the MergeOutput it fills (GatedMerge: each kept entry's last
-/// contribution, its added weight and its target's Σ v²), so that the pipeline's per-worker
+/// contribution, its added weight and its target's Σ v²), so that the pipeline's per-head
 /// MergeOutput needs no allocation on a reused call.
 template <class Real>
 struct MergeScratch {

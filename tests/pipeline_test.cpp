@@ -742,15 +742,45 @@ struct GatelessMerger {
   template <class T>
   void merge(const HeadContext<T>&, const Routing&, MergeOutput<compute_t<T>>&) const {}
 };
+
+/// Breaks it by resizing the gates to one entry whatever the evictions.
+struct OneGateMerger : GatelessMerger {
+  template <class T>
+  void merge(const HeadContext<T>&, const Routing&, MergeOutput<compute_t<T>>& out) const {
+    out.gate.setZero(1);
+  }
+};
+
+/// Breaks it on some paths only: writes the gates of even-numbered evicted tokens, after a resize
+/// (which keeps whatever the storage held).
+struct EvenGateMerger : GatelessMerger {
+  template <class T>
+  void merge(const HeadContext<T>& ctx, const Routing&, MergeOutput<compute_t<T>>& out) const {
+    out.gate.resize(static_cast<Index>(ctx.evicted().size()));
+    for (Index e = 0; e < out.gate.size(); e += 2) out.gate[e] = 0;
+  }
+};
 }  // namespace
 
 TEST_CASE("a merger that does not set one gate per evicted token is reported", "[pipeline][policy]") {
   Data f(416, 40);
   kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
-  using Pipe = Pipeline<ValueWeighted, TopK<>, NoRoute, GatelessMerger, NoCompensation>;
-  CHECK_THROWS_WITH(Pipe{}.run(b.view(), Budget::tokens(10)),
-                    Catch::Contains("the merger set 0 gates for KV head 0, which evicts 30 tokens"));
-  const LayerResult<float> all = Pipe{}.run(b.view(), Budget::tokens(40));  // nothing evicted: no gate needed
+  using Gateless = Pipeline<ValueWeighted, TopK<>, NoRoute, GatelessMerger, NoCompensation>;
+  using OneGate = Pipeline<ValueWeighted, TopK<>, NoRoute, OneGateMerger, NoCompensation>;
+  using EvenGates = Pipeline<ValueWeighted, TopK<>, NoRoute, EvenGateMerger, NoCompensation>;
+  CHECK_THROWS_WITH(Gateless{}.run(b.view(), Budget::tokens(10)),
+                    Catch::Contains("gate 0 of KV head 0 is NaN: the merger left it unset"));
+  CHECK_THROWS_WITH(OneGate{}.run(b.view(), Budget::tokens(10)),
+                    Catch::Contains("the merger set 1 gates for KV head 0, which evicts 30 tokens"));
+  // Some gates unwritten: caught in a one-shot call, and in a reused call after a correct one (whose
+  // gates, all written, would otherwise still be there).
+  CHECK_THROWS_WITH(EvenGates{}.run(b.view(), Budget::tokens(10)), Catch::Contains("gate 1 of KV head 0 is NaN"));
+  LayerResult<float> out;
+  Workspace<float> ws;
+  Pipeline<ValueWeighted, TopK<>, NoRoute, Drop, NoCompensation>{}.run(b.view(), Budget::tokens(10), out, ws);
+  CHECK(out.heads[0].diagnostics.dropped == 30);
+  CHECK_THROWS_WITH(EvenGates{}.run(b.view(), Budget::tokens(10), out, ws), Catch::Contains("gate 1 of KV head 0 is NaN"));
+  const LayerResult<float> all = Gateless{}.run(b.view(), Budget::tokens(40));  // nothing evicted: no gate needed
   for (const auto& h : all.heads) CHECK(h.size() == 40);
 }
 

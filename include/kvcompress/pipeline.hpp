@@ -28,6 +28,8 @@
 #include "kvcompress/router/no_route.hpp"
 #include "kvcompress/selector/top_k.hpp"
 
+#include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -517,10 +519,19 @@ class Pipeline {
       }
       if constexpr (!detail::fills_values<Merger>::value)
         detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values, stream);
+      // The gates arrive sized one per evicted token and poisoned, so that one the merger leaves
+      // unwritten shows as NaN below (instead of passing with last call's value or uninitialised).
+      merged.gate.setConstant(static_cast<Index>(sel.evicted[g].size()), std::numeric_limits<Real>::quiet_NaN());
       merger().merge(ctx, routing, merged);
       if (merged.gate.size() != static_cast<Index>(sel.evicted[g].size()))
         throw error(detail::concat("the merger set ", merged.gate.size(), " gates for KV head ", g, ", which evicts ",
                                    sel.evicted[g].size(), " tokens: MergeOutput::gate needs one per evicted token"));
+      // With check_finite off, non-finite input may give NaN gates: results are unspecified then.
+      if (args_.check_finite)
+        for (Index e = 0; e < merged.gate.size(); ++e)
+          if (std::isnan(merged.gate[e]))
+            throw error(detail::concat("gate ", e, " of KV head ", g, " is NaN: the merger left it unset (a merger must "
+                                       "write every gate on every path) or computed it from values that overflow"));
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
 

@@ -218,6 +218,19 @@ inline void tile_factors(const WindowWorkspace<float>& ws, Index t, float diviso
 
 }  // namespace detail
 
+namespace detail {
+/// The plain path of the window probabilities (double arithmetic): the group queries gathered into
+/// `queries` (G·W, d), the logits into `probs` (G·W, n), then the causal softmax of its rows in place.
+/// Both keep their storage when their shape is unchanged.
+template <class Real, class T>
+void window_probabilities_plain(const LayerView<T>& layer, Index g, const AttentionArguments& args,
+                                RowMatrix<Real>& queries, RowMatrix<Real>& probs) {
+  gather_group_queries_into<Real>(layer, g, queries);
+  window_logits(layer, g, queries, args, probs);
+  causal_softmax_rows(probs, layer.tokens(), layer.window());
+}
+}  // namespace detail
+
 /// Window probabilities of KV head g's query group: (G·W, n), rows as in gather_group_queries.
 /// Memory O(G·W·n). Cost: one (G·W × d × n) product plus the softmax (fused per key tile for float
 /// arithmetic; double runs the plain reference path).
@@ -238,9 +251,8 @@ void window_probabilities(const LayerView<T>& layer, Index g, const AttentionArg
     }
     probs.swap(ws.exps);
   } else {
-    const RowMatrix<Real> qg = gather_group_queries<Real>(layer, g);
-    window_logits(layer, g, qg, args, probs);
-    causal_softmax_rows(probs, layer.tokens(), layer.window());
+    RowMatrix<Real> queries;
+    detail::window_probabilities_plain(layer, g, args, queries, probs);
   }
 }
 
@@ -348,10 +360,7 @@ bool window_mass(const LayerView<T>& layer, Index g, const AttentionArguments& a
   if constexpr (std::is_same_v<Real, float>) {
     return detail::window_mass_fused<simd::default_arch>(layer, g, args, mass, ws);
   } else {
-    // window_probabilities' double path, with the group queries in the workspace.
-    gather_group_queries_into<Real>(layer, g, ws.queries);
-    window_logits(layer, g, ws.queries, args, ws.exps);
-    causal_softmax_rows(ws.exps, layer.tokens(), layer.window());
+    detail::window_probabilities_plain(layer, g, args, ws.queries, ws.exps);  // in the workspace
     mass_from_probabilities(ws.exps, layer.group_size(), mass);
     return mass.allFinite();
   }

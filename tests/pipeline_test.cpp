@@ -782,6 +782,12 @@ TEST_CASE("a merger that does not set one gate per evicted token is reported", "
   CHECK_THROWS_WITH(EvenGates{}.run(b.view(), Budget::tokens(10), out, ws), Catch::Contains("gate 1 of KV head 0 is NaN"));
   const LayerResult<float> all = Gateless{}.run(b.view(), Budget::tokens(40));  // nothing evicted: no gate needed
   for (const auto& h : all.heads) CHECK(h.size() == 40);
+  // The NaN check is one of the input checks: check_finite = false turns it off (README, Errors).
+  Gateless::Arguments unchecked;
+  unchecked.check_finite = false;
+  LayerResult<float> r;
+  CHECK_NOTHROW(r = Gateless(unchecked).run(b.view(), Budget::tokens(10)));
+  for (const auto& h : r.heads) CHECK(h.diagnostics.evicted == 30);
 }
 
 TEST_CASE("a result large enough for streaming stores holds exactly the cache rows at the kept positions",

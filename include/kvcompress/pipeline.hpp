@@ -526,12 +526,13 @@ class Pipeline {
       if (merged.gate.size() != static_cast<Index>(sel.evicted[g].size()))
         throw error(detail::concat("the merger set ", merged.gate.size(), " gates for KV head ", g, ", which evicts ",
                                    sel.evicted[g].size(), " tokens: MergeOutput::gate needs one per evicted token"));
-      // With check_finite off, non-finite input may give NaN gates: results are unspecified then.
+      // Part of the input checks: with check_finite off (results unspecified for non-finite input),
+      // neither is a NaN gate reported.
       if (args_.check_finite)
         for (Index e = 0; e < merged.gate.size(); ++e)
           if (std::isnan(merged.gate[e]))
             throw error(detail::concat("gate ", e, " of KV head ", g, " is NaN: the merger left it unset (a merger must "
-                                       "write every gate on every path) or computed it from values that overflow"));
+                                       "write every gate on every path) or computed it from sums that overflow"));
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
 

@@ -261,11 +261,11 @@ struct KeptKeyStores {
 /// through the gather or, for a fills_keys router that also provides
 /// route(ctx, routing, kept_keys, KeptKeyStores), through the router (BucketRouter).
 /// Every merger must set `gate` to one entry per evicted token (Drop: zeros), writing every entry on
-/// every path, never NaN. The pipeline hands `gate` over already sized one per evicted token with
-/// every entry NaN (it keeps one MergeOutput per KV head from call to call: `scratch` keeps its
-/// storage too; keys, values and diagnostics are the current call's), and after each merge checks the
-/// gate's size and, with Arguments::check_finite (the default), that no entry is NaN (one left
-/// unwritten), throwing kvc::error if not.
+/// every path, and for finite input never NaN. The pipeline hands `gate` over already sized one per
+/// evicted token with every entry NaN, and after each merge checks the gate's size and, with
+/// Arguments::check_finite (the default), that no entry is NaN (for example one left unwritten),
+/// throwing kvc::error if not. The pipeline keeps one MergeOutput per KV head from call to call, so
+/// `scratch` keeps its storage too; keys, values and diagnostics are the current call's.
 /// A merger may keep working memory in `scratch` (GatedMerge does) or allocate its own.
 template <class Real>
 struct MergeOutput {

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 using namespace kvc;
@@ -207,6 +208,26 @@ TEMPLATE_TEST_CASE("SoftGate reduces to Drop when every gate is 0 and to MergeAl
   const Eigen::MatrixXd a0 = ref::window_mass(probs0, f.Hkv);
   const auto route = ref::route(g, kvc::test::to_long(kept), f.n, ref::RouteKeyCosine, 16, f.K, a0, probs0, 2);
 
+  // SoftGate on head g of `layer`: every gate 0, so values bit-identical to Drop's. Returns Drop's.
+  const auto soft_gate_drops_all = [&](const LayerView<T>& layer, const Vector<Real>& mass) {
+    const auto soft = run_merge<SoftGate>(layer, g, mass, kept, route);
+    auto drop = run_merge<Drop>(layer, g, mass, kept, route);
+    CHECK(soft.gate.size() == static_cast<Index>(evicted.size()));
+    CHECK((soft.gate.array() == Real(0)).all());
+    CHECK(soft.values == drop.values);  // bit-identical: nothing was poured in
+    CHECK(soft.keys == drop.keys);
+    return drop;
+  };
+
+  SECTION("gates 0: values whose sums of squares overflow the arithmetic type") {
+    // Finite values, but Σ v² overflows: the cosine is inf/inf = NaN, and the gate must be 0, not NaN.
+    const double big = std::is_same_v<Real, float> ? 2e19 : 1e160;
+    for (long j = 0; j < f.n; ++j)
+      for (long k = 0; k < f.d; ++k) f.V.at(g, j, k) = big;
+    kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::head_major);
+    const LayerView<T> layer = b.view();
+    soft_gate_drops_all(layer, library_mass(layer, g));
+  }
   SECTION("gates 0: opposite, orthogonal and zero-norm evicted values") {
     // Kept values live in the first half of the dimensions; evicted values are either −2·target
     // (cosine −1), supported on the second half only (cosine exactly 0), or zero.
@@ -226,12 +247,7 @@ TEMPLATE_TEST_CASE("SoftGate reduces to Drop when every gate is 0 and to MergeAl
     kvc::test::LayerBuffers<T> b(f.K, f.V, f.Q, Layout::head_major);
     const LayerView<T> layer = b.view();
     const auto mass = library_mass(layer, g);
-    const auto soft = run_merge<SoftGate>(layer, g, mass, kept, route);
-    const auto drop = run_merge<Drop>(layer, g, mass, kept, route);
-    CHECK(soft.gate.size() == static_cast<Index>(evicted.size()));
-    CHECK((soft.gate.array() == Real(0)).all());
-    CHECK(soft.values == drop.values);  // bit-identical: nothing was poured in
-    CHECK(soft.keys == drop.keys);
+    const auto drop = soft_gate_drops_all(layer, mass);
     // MergeAll on the same data does change values (the construction is not vacuous).
     const auto all = run_merge<MergeAll>(layer, g, mass, kept, route);
     CHECK_FALSE(all.values == drop.values);

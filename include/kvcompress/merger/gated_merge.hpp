@@ -182,10 +182,13 @@ struct GatedMerge {
           for (std::size_t r = 0; r < nb; ++r) {
             const float syy = target_ss[routing.target[e0 + r]];
             const float c = (sxx[r] <= 0.0f || syy <= 0.0f) ? 0.0f : sxy[r] / (std::sqrt(sxx[r]) * std::sqrt(syy));
-            g[r] = std::max(c, 0.0f);
+            g[r] = c > 0.0f ? c : 0.0f;  // max(c, 0), and 0 where c is NaN (sums that overflow)
           }
         } else {
-          for (std::size_t r = 0; r < nb; ++r) g[r] = std::max(detail::cosine<Real>(vj[r], vi[r], d), Real(0));
+          for (std::size_t r = 0; r < nb; ++r) {
+            const Real c = detail::cosine<Real>(vj[r], vi[r], d);
+            g[r] = c > Real(0) ? c : Real(0);  // as above
+          }
         }
       }
       // ... then their contributions, in ascending j.

@@ -84,11 +84,11 @@ void BM_PipelineReuse(benchmark::State& state) {
 /// The fresh memory a one-shot run() allocates for its result: 2 · Hkv matrices of (n/4, d) floats
 /// through detail::resize_advised, as run() prepares them (BM_Pipeline pays this, BM_PipelineReuse does
 /// not), then written once, as run() fills them; they are freed outside the timed part. The iteration
-/// time is prep + first write, what the one-shot call pays beyond a reused one. Counters: prep_ms
-/// (resize_advised: the huge-page advice and the guest's prefault), first_write_ms (the first write of
-/// every byte after that: on a VM whose host took the freed memory back, the host's own first-touch
-/// faults, which no prefault in the guest avoids), rewrite_ms (the same write again: the plain cost of
-/// writing 67 MB at n = 32768), window_buffer_ms (prep + first write of one (n, 128) block, the window
+/// time is prep + first write. Counters: prep_ms (resize_advised: the huge-page advice and the
+/// guest's prefault), first_write_ms (the first write of every byte after that, which the prefault
+/// did not make cheap on the benchmark VMs: bench/README.md, sixteenth round, where its cause is
+/// discussed), rewrite_ms (the same write again: the plain cost of writing 67 MB at n = 32768),
+/// window_buffer_ms (prep + first write of one (n, 128) block, the window
 /// workspace's size at this layer shape). resize_advised prefaults only blocks of 4 MiB or more, so at
 /// n = 4096 (1 MiB matrices) the prep touches nothing and the first write takes the page faults.
 void BM_FreshResultMemory(benchmark::State& state) {

@@ -216,9 +216,6 @@ inline void tile_factors(const WindowWorkspace<float>& ws, Index t, float diviso
     factor[r] = std::exp(ws.shift(t, r) - ws.row_max[r]) / (ws.row_sum[r] * divisor);
 }
 
-}  // namespace detail
-
-namespace detail {
 /// The plain path of the window probabilities (double arithmetic): the group queries gathered into
 /// `queries` (G·W, d), the logits into `probs` (G·W, n), then the causal softmax of its rows in place.
 /// Both keep their storage when their shape is unchanged.
@@ -229,6 +226,7 @@ void window_probabilities_plain(const LayerView<T>& layer, Index g, const Attent
   window_logits(layer, g, queries, args, probs);
   causal_softmax_rows(probs, layer.tokens(), layer.window());
 }
+
 }  // namespace detail
 
 /// Window probabilities of KV head g's query group: (G·W, n), rows as in gather_group_queries.

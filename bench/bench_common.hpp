@@ -198,27 +198,42 @@ inline double layer_gemm_flops(const LayerView<float>& layer) {
          double(layer.tokens());
 }
 
-/// CPU seconds of the plain Eigen product Qw·K^T for the whole layer (one (G·W, d)×(d, n) per KV head),
-/// best of 5, measured once per n in this process: the denominator of every x_gemm.
+/// One plain Eigen product Qw·K^T for the whole layer: one (G·W, d)×(d, n) per KV head into `logits`
+/// ((G·W, n), resized on first use).
+inline void gemm_pass(const LayerView<float>& layer, RowMatrix<float>& logits) {
+  const Index n = layer.tokens(), d = layer.head_dim();
+  logits.resize(layer.group_size() * layer.window(), n);
+  for (Index g = 0; g < layer.kv_heads(); ++g) {
+    const RowMatrix<float> q = gather_group_queries<float>(layer, g);
+    Eigen::Map<const RowMatrix<float>> k(layer.keys.row(g, 0), n, d);
+    logits.noalias() = q * k.transpose();
+    benchmark::DoNotOptimize(logits.data());
+  }
+}
+
+/// CPU seconds of gemm_pass for the layer of n tokens, best of 5, measured once per n in this process:
+/// the denominator of every x_gemm.
 inline double gemm_seconds(Index n) {
   static std::map<Index, double> cache;
   auto it = cache.find(n);
   if (it != cache.end()) return it->second;
   const auto layer = layer_of(n).view();
-  const Index G = layer.group_size(), W = layer.window(), d = layer.head_dim();
-  RowMatrix<float> s(G * W, n);
+  RowMatrix<float> logits;
   double best = 1e30;
   for (int rep = 0; rep < 5; ++rep) {
     const double t0 = thread_seconds();
-    for (Index g = 0; g < layer.kv_heads(); ++g) {
-      const RowMatrix<float> q = gather_group_queries<float>(layer, g);
-      Eigen::Map<const RowMatrix<float>> k(layer.keys.row(g, 0), n, d);
-      s.noalias() = q * k.transpose();
-      benchmark::DoNotOptimize(s.data());
-    }
+    gemm_pass(layer, logits);
     best = std::min(best, thread_seconds() - t0);
   }
   return cache[n] = best;
+}
+
+/// The median of `v` (the upper one of the middle two for an even count); 0 for an empty `v`.
+inline double median_of(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  const auto mid = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
+  std::nth_element(v.begin(), mid, v.end());
+  return *mid;
 }
 
 /// Peak single-core float FMA throughput (GFLOP/s) of the compiled architecture: 12 independent

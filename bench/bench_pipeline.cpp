@@ -81,6 +81,60 @@ void BM_PipelineReuse(benchmark::State& state) {
   state.counters["transient_peak_MB"] = double(peak) / 1e6;
 }
 
+/// x_gemm measured so that the machine's jitter cancels: every iteration runs kPairedRounds rounds of
+/// {one pipeline call, one plain product gemm_pass over the same layer}, alternately and each timed by
+/// the thread's CPU time, so that both sides sample the same stretch of the machine's state. On the
+/// shared VMs of bench/README.md single calls of either run up to 1.5x their usual time at random
+/// (seventeenth round), while x_gemm divides one call by the best of 5 products. Iteration time: the
+/// median call of the iteration. Counters: x_gemm_paired = median call / median product over all
+/// rounds, x_gemm_best = fastest call / fastest product, spread / gemm_spread = slowest / fastest call /
+/// product (the jitter), and x_gemm as everywhere. Reuse: run(layer, ratio, out, ws) with both kept
+/// from an untimed first call, as BM_PipelineReuse; else the one-shot run(layer, ratio), as BM_Pipeline
+/// (the result is freed outside the timing).
+template <class Preset, bool Reuse>
+void BM_PipelinePaired(benchmark::State& state) {
+  constexpr int kPairedRounds = 7;
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  gemm_seconds(n);
+  const Preset preset;
+  LayerResult<float> out;
+  Workspace<float> ws;
+  if (Reuse) preset.run(layer, Budget::ratio(0.25), out, ws);
+  RowMatrix<float> logits;
+  gemm_pass(layer, logits);  // its (G·W, n) output allocated and written before the timing
+  std::vector<double> calls, products, these;
+  double total = 0;
+  for (auto _ : state) {
+    these.clear();
+    for (int round = 0; round < kPairedRounds; ++round) {
+      double t0 = thread_seconds();
+      if constexpr (Reuse) {
+        preset.run(layer, Budget::ratio(0.25), out, ws);
+        these.push_back(thread_seconds() - t0);
+        benchmark::DoNotOptimize(out.heads.data());
+      } else {
+        auto result = preset.run(layer, Budget::ratio(0.25));
+        these.push_back(thread_seconds() - t0);
+        benchmark::DoNotOptimize(result.heads.data());
+      }
+      t0 = thread_seconds();
+      gemm_pass(layer, logits);
+      products.push_back(thread_seconds() - t0);
+    }
+    calls.insert(calls.end(), these.begin(), these.end());
+    total += median_of(these);
+    state.SetIterationTime(median_of(these));
+  }
+  set_layer_counters(state, n, total / double(state.iterations()));
+  const auto [call_min, call_max] = std::minmax_element(calls.begin(), calls.end());
+  const auto [product_min, product_max] = std::minmax_element(products.begin(), products.end());
+  state.counters["x_gemm_paired"] = median_of(calls) / median_of(products);
+  state.counters["x_gemm_best"] = *call_min / *product_min;
+  state.counters["spread"] = *call_max / *call_min;
+  state.counters["gemm_spread"] = *product_max / *product_min;
+}
+
 /// The fresh memory a one-shot run() allocates for its result: 2 · Hkv matrices of (n/4, d) floats
 /// through detail::resize_advised, as run() prepares them (BM_Pipeline pays this, BM_PipelineReuse does
 /// not), then written once, as run() fills them; they are freed outside the timed part. The iteration
@@ -202,6 +256,10 @@ BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::StreamingLLM)->Apply(kvc::bench::layer
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SelKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKVGRKV)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SnapKV, true)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SelKV, true)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SnapKV, false)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SelKV, false)->Apply(kvc::bench::layer_sizes);
 // The opt-in AMX bf16x3 window product (AttentionArguments::product), where the process can run it.
 BENCHMARK_TEMPLATE2(BM_Pipeline, kvc::SnapKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE2(BM_Pipeline, kvc::SelKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);

@@ -58,9 +58,8 @@ void window_mass_benchmark(benchmark::State& state, WindowProduct P) {
     cold.push_back(thread_seconds() - t0);
   }
   if (cold.size() == 3) {
-    std::sort(cold.begin(), cold.end());
-    state.counters["cold_ms"] = cold[1] * 1e3;
-    state.counters["x_gemm_cold"] = cold[1] / gemm_seconds(n);
+    state.counters["cold_ms"] = median_of(cold) * 1e3;
+    state.counters["x_gemm_cold"] = median_of(cold) / gemm_seconds(n);
   }
 }
 

@@ -60,8 +60,7 @@ void BM_PipelineReuse(benchmark::State& state) {
   if (!make_preset<Preset, P>(state, preset)) return;
   LayerResult<float> out;
   Workspace<float> ws;
-  preset.run(layer, Budget::ratio(0.25), out, ws);
-  const double per = time_iterations(state, [&] {
+  const double per = time_iterations(state, [&] {  // its untimed first call allocates out and ws
     preset.run(layer, Budget::ratio(0.25), out, ws);
     benchmark::DoNotOptimize(out.heads.data());
   });
@@ -81,16 +80,18 @@ void BM_PipelineReuse(benchmark::State& state) {
   state.counters["transient_peak_MB"] = double(peak) / 1e6;
 }
 
-/// x_gemm measured so that the machine's jitter cancels: every iteration runs kPairedRounds rounds of
+/// x_gemm measured robustly against the machine's jitter: every iteration runs kPairedRounds rounds of
 /// {one pipeline call, one plain product gemm_pass over the same layer}, alternately and each timed by
-/// the thread's CPU time, so that both sides sample the same stretch of the machine's state. On the
-/// shared VMs of bench/README.md single calls of either run up to 1.5x their usual time at random
-/// (seventeenth round), while x_gemm divides one call by the best of 5 products. Iteration time: the
-/// median call of the iteration. Counters: x_gemm_paired = median call / median product over all
-/// rounds, x_gemm_best = fastest call / fastest product, spread / gemm_spread = slowest / fastest call /
-/// product (the jitter), and x_gemm as everywhere. Reuse: run(layer, ratio, out, ws) with both kept
-/// from an untimed first call, as BM_PipelineReuse; else the one-shot run(layer, ratio), as BM_Pipeline
-/// (the result is freed outside the timing).
+/// the thread's CPU time, so that both sides see the same drift of the machine's speed, and takes
+/// medians, which single slow calls do not move. On the shared VMs of bench/README.md single calls of
+/// either ran up to 1.8x as long as the fastest, at random and independently of each other (seventeenth
+/// round), while x_gemm elsewhere divides one call (one iteration per repetition under the rounds'
+/// command) by the best of 5 products. One iteration per repetition (Iterations(1)), whose time is the
+/// median call. Counters: x_gemm_paired = median call / median product, x_gemm_best = fastest call /
+/// fastest product, call_ms and product_ms (the two medians), spread / gemm_spread = slowest / fastest
+/// call / product (the jitter), x_gemm = the median call / gemm_seconds (best of 5 products taken before).
+/// Reuse: run(layer, ratio, out, ws) with both kept from an untimed first call, as BM_PipelineReuse;
+/// else the one-shot run(layer, ratio), as BM_Pipeline (the result is freed outside the timing).
 template <class Preset, bool Reuse>
 void BM_PipelinePaired(benchmark::State& state) {
   constexpr int kPairedRounds = 7;
@@ -100,7 +101,7 @@ void BM_PipelinePaired(benchmark::State& state) {
   const Preset preset;
   LayerResult<float> out;
   Workspace<float> ws;
-  if (Reuse) preset.run(layer, Budget::ratio(0.25), out, ws);
+  if constexpr (Reuse) preset.run(layer, Budget::ratio(0.25), out, ws);
   RowMatrix<float> logits;
   gemm_pass(layer, logits);  // its (G·W, n) output allocated and written before the timing
   std::vector<double> calls, products, these;
@@ -123,13 +124,16 @@ void BM_PipelinePaired(benchmark::State& state) {
       products.push_back(thread_seconds() - t0);
     }
     calls.insert(calls.end(), these.begin(), these.end());
-    total += median_of(these);
-    state.SetIterationTime(median_of(these));
+    const double median_call = median_of(these);
+    total += median_call;
+    state.SetIterationTime(median_call);
   }
   set_layer_counters(state, n, total / double(state.iterations()));
   const auto [call_min, call_max] = std::minmax_element(calls.begin(), calls.end());
   const auto [product_min, product_max] = std::minmax_element(products.begin(), products.end());
   state.counters["x_gemm_paired"] = median_of(calls) / median_of(products);
+  state.counters["call_ms"] = median_of(calls) * 1e3;
+  state.counters["product_ms"] = median_of(products) * 1e3;
   state.counters["x_gemm_best"] = *call_min / *product_min;
   state.counters["spread"] = *call_max / *call_min;
   state.counters["gemm_spread"] = *product_max / *product_min;
@@ -237,6 +241,9 @@ void BM_PipelineThreads(benchmark::State& state) {
   state.counters["serial_reuse_ms"] = serial_reuse * 1e3;
 }
 
+/// layer_sizes with one iteration (of kPairedRounds rounds) per repetition.
+void paired_sizes(benchmark::internal::Benchmark* b) { kvc::bench::layer_sizes(b->Iterations(1)); }
+
 void thread_sizes(benchmark::internal::Benchmark* b) {
   b->Args({4096, 2})->Args({32768, 2})->UseManualTime()->Unit(benchmark::kMillisecond);
 }
@@ -256,10 +263,10 @@ BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::StreamingLLM)->Apply(kvc::bench::layer
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SelKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKVGRKV)->Apply(kvc::bench::layer_sizes);
-BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SnapKV, true)->Apply(kvc::bench::layer_sizes);
-BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SelKV, true)->Apply(kvc::bench::layer_sizes);
-BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SnapKV, false)->Apply(kvc::bench::layer_sizes);
-BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SelKV, false)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SnapKV, true)->Apply(paired_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SelKV, true)->Apply(paired_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SnapKV, false)->Apply(paired_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaired, kvc::SelKV, false)->Apply(paired_sizes);
 // The opt-in AMX bf16x3 window product (AttentionArguments::product), where the process can run it.
 BENCHMARK_TEMPLATE2(BM_Pipeline, kvc::SnapKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE2(BM_Pipeline, kvc::SelKV, kvc::WindowProduct::amx_bf16x3)->Apply(kvc::bench::layer_sizes);

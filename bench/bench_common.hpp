@@ -266,11 +266,8 @@ inline double peak_gflops() {
 /// Runs `body` once untimed, then once per benchmark iteration, timed by the thread's CPU time, which
 /// becomes the iteration's time (benchmarks registered with UseManualTime); returns the mean seconds per
 /// iteration. The untimed call sizes (and first writes) whatever buffers the body keeps between calls,
-/// so every timed call is the steady state even when a repetition runs one iteration (the standard
-/// command's --benchmark_min_time=0.001): on the benchmark VMs the first pass over memory just
-/// allocated cost up to 3.6x a later one even when it had been written once already
-/// (BM_RouteMergeCompensate's single iterations read 32-127 ms, its steady pass 34-37 ms; bench/README.md,
-/// seventeenth round).
+/// so that no timed call pays for them, also when a repetition runs one iteration (the rounds' command,
+/// --benchmark_min_time=0.001, in bench/README.md; seventeenth round, item 3).
 template <class F>
 double time_iterations(benchmark::State& state, F&& body) {
   body();

@@ -84,12 +84,13 @@ void BM_PipelineReuse(benchmark::State& state) {
 /// {one pipeline call, one plain product gemm_pass over the same layer}, alternately and each timed by
 /// the thread's CPU time, so that both sides see the same drift of the machine's speed, and takes
 /// medians, which single slow calls do not move. On the shared VMs of bench/README.md single calls of
-/// either ran up to 1.8x as long as the fastest, at random and independently of each other (seventeenth
-/// round), while x_gemm elsewhere divides one call (one iteration per repetition under the rounds'
-/// command) by the best of 5 products. One iteration per repetition (Iterations(1)), whose time is the
-/// median call. Counters: x_gemm_paired = median call / median product, x_gemm_best = fastest call /
-/// fastest product, call_ms and product_ms (the two medians), spread / gemm_spread = slowest / fastest
-/// call / product (the jitter), x_gemm = the median call / gemm_seconds (best of 5 products taken before).
+/// either ran up to 1.8x as long as the fastest, at random, and a slow call of one was not a slow call
+/// of the other (seventeenth round), while x_gemm elsewhere divides one call (one iteration per
+/// repetition under the rounds' command) by the best of 5 products. One iteration per repetition
+/// (Iterations(1)), whose time is the median call. Counters: x_gemm_paired = median call / median
+/// product, x_gemm_best = fastest call / fastest product, call_ms and product_ms (the two medians),
+/// spread / gemm_spread = slowest / fastest call / product (the jitter), x_gemm = the median call /
+/// gemm_seconds (best of 5 products taken before).
 /// Reuse: run(layer, ratio, out, ws) with both kept from an untimed first call, as BM_PipelineReuse;
 /// else the one-shot run(layer, ratio), as BM_Pipeline (the result is freed outside the timing).
 template <class Preset, bool Reuse>

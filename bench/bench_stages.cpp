@@ -270,10 +270,10 @@ void BM_Select(benchmark::State& state) {
 
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
 /// all KV heads, with the selection and mass computed once outside the timing and one set of output
-/// buffers per head, allocated and written before the timing and reused by every iteration (with
-/// time_iterations' untimed first pass, the cost of fresh memory is not counted; until the thirteenth
-/// round one set served every head, 4 MiB that could stay in the last-level cache). As in the pipeline, nothing is gathered: the router writes the
-/// kept keys (fills_keys), SoftGate the values (fills_values).
+/// buffers per head, allocated and written before the timing and reused by every iteration, after
+/// time_iterations' untimed first pass (until the thirteenth round one set served every head, 4 MiB
+/// that could stay in the last-level cache). As in the pipeline, nothing is gathered: the router
+/// writes the kept keys (fills_keys), SoftGate the values (fills_values).
 void BM_RouteMergeCompensate(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();

@@ -1,10 +1,18 @@
-// Names the README's C++ fragments use without declaring them (tests/CMakeLists.txt wraps each
-// fragment in a function after this header and compiles it; nothing runs).
+// Names the C++ fragments of README.md and docs/*.md use without declaring them (tests/CMakeLists.txt
+// wraps each fragment in a function after this header and compiles it; nothing runs).
 #pragma once
 
 #include <kvcompress/kvcompress.hpp>
 
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
+
+#if defined(__linux__)
+#include <malloc.h>    // mallopt (docs/integration.md)
+#include <sys/mman.h>  // madvise (docs/integration.md)
+#endif
 
 namespace readme {
 

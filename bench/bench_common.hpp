@@ -67,13 +67,12 @@ inline double steal_seconds() {
 
 // ---- the caller's pages -------------------------------------------------------------------------------
 // By default the layer (the caller's KV cache and queries) lives in the pages malloc gives it: 4 KiB
-// pages on a machine whose transparent huge pages are in "madvise" mode, as on the VM of bench/README.md.
-// With the environment variable KVC_BENCH_HUGE_PAGES=1 the K, V and Q buffers (and the decode
-// benchmark's caches and the streaming probes' buffers) are 2 MiB-aligned and advised MADV_HUGEPAGE
-// before their first touch (CacheBuffer), as an engine that follows README.md's advice would hold its
-// cache; every layer-sized benchmark then reports huge_frac, the fraction of those bytes the kernel
-// actually put in huge pages (from /proc/self/smaps). The library's own allocations are not affected
-// either way.
+// pages on a machine whose transparent huge pages are in "madvise" mode. With the environment variable
+// KVC_BENCH_HUGE_PAGES=1 the K, V and Q buffers (and the decode benchmark's caches and the streaming
+// probes' buffers) are 2 MiB-aligned and advised MADV_HUGEPAGE before their first touch (CacheBuffer),
+// as an engine that wants huge pages holds its cache (docs/performance.md); every layer-sized
+// benchmark then reports huge_frac, the fraction of those bytes the kernel actually put in huge pages
+// (from /proc/self/smaps). The library's own allocations are not affected either way.
 
 inline bool huge_pages_requested() {
   static const bool on = [] {
@@ -105,10 +104,8 @@ inline double huge_page_bytes(const void* p, std::size_t bytes) {
 /// Storage for the benchmark's caches (the layer's K, V and Q, the decode caches). By default a
 /// std::vector, in the pages malloc gives it (on glibc a large block starts 16 bytes past a page
 /// boundary, so the 512-byte rows straddle cache lines). With KVC_BENCH_HUGE_PAGES=1 (Linux) what
-/// README.md advises an engine to do: 2 MiB-aligned memory advised MADV_HUGEPAGE before its first
-/// touch. Until the fourteenth round (bench/README.md) it was std::vector memory collapsed into huge
-/// pages after filling (MADV_COLLAPSE), which left each block's unaligned ends in 4 KiB pages
-/// (huge_frac 0.94 for the 25 % decode cache at n = 32768).
+/// docs/performance.md advises an engine to do: 2 MiB-aligned memory advised MADV_HUGEPAGE before its
+/// first touch, so that every byte of it, the ends included, can be in huge pages.
 template <class T = float>
 class CacheBuffer {
  public:
@@ -266,8 +263,8 @@ inline double peak_gflops() {
 /// Runs `body` once untimed, then once per benchmark iteration, timed by the thread's CPU time, which
 /// becomes the iteration's time (benchmarks registered with UseManualTime); returns the mean seconds per
 /// iteration. The untimed call sizes (and first writes) whatever buffers the body keeps between calls,
-/// so that no timed call pays for them, also when a repetition runs one iteration (the rounds' command,
-/// --benchmark_min_time=0.001, in bench/README.md; seventeenth round, item 3).
+/// so that no timed call pays for them, also when a repetition runs a single iteration
+/// (--benchmark_min_time=0.001).
 template <class F>
 double time_iterations(benchmark::State& state, F&& body) {
   body();

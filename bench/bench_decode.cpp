@@ -76,7 +76,7 @@ void BM_StreamFma(benchmark::State& state) {
   constexpr std::size_t S = B::size;
   const Index n = state.range(0), m = n / 4;
   const std::size_t bytes = std::size_t(2 * 8 * m * 128) * sizeof(float);
-  CacheBuffer<float> buf(bytes / sizeof(float));  // in huge pages when the caches are (before the fourteenth round never)
+  CacheBuffer<float> buf(bytes / sizeof(float));  // in huge pages when the caches are
   std::fill(buf.data(), buf.data() + buf.size(), 1.0f);
   double best = 1e30;
   for (auto _ : state) {

@@ -83,10 +83,9 @@ void BM_PipelineReuse(benchmark::State& state) {
 /// x_gemm measured robustly against the machine's jitter: every iteration runs kPairedRounds rounds of
 /// {one pipeline call, one plain product gemm_pass over the same layer}, alternately and each timed by
 /// the thread's CPU time, so that both sides see the same drift of the machine's speed, and takes
-/// medians, which single slow calls do not move. On the shared VMs of bench/README.md single calls of
-/// either ran up to 1.8x as long as the fastest, at random, and a slow call of one was not a slow call
-/// of the other (seventeenth round), while x_gemm elsewhere divides one call (one iteration per
-/// repetition under the rounds' command) by the best of 5 products. One iteration per repetition
+/// medians, which single slow calls do not move. On shared virtual machines single calls of either can
+/// run much longer than the fastest, at random and independently of each other, while x_gemm
+/// elsewhere divides one call by the best of 5 products. One iteration per repetition
 /// (Iterations(1)), whose time is the median call. Counters: x_gemm_paired = median call / median
 /// product, x_gemm_best = fastest call / fastest product, call_ms and product_ms (the two medians),
 /// spread / gemm_spread = slowest / fastest call / product (the jitter), x_gemm = the median call /
@@ -140,16 +139,12 @@ void BM_PipelinePaired(benchmark::State& state) {
   state.counters["gemm_spread"] = *product_max / *product_min;
 }
 
-/// The fresh memory a one-shot run() allocates for its result: 2 · Hkv matrices of (n/4, d) floats
-/// through detail::resize_advised, as run() prepares them (BM_Pipeline pays this, BM_PipelineReuse does
-/// not), then written once, as run() fills them; they are freed outside the timed part. The iteration
-/// time is prep + first write. Counters: prep_ms (resize_advised: the huge-page advice and the
-/// guest's prefault), first_write_ms (the first write of every byte after that, which the prefault
-/// did not make cheap on the benchmark VMs: bench/README.md, sixteenth round, where its cause is
-/// discussed), rewrite_ms (the same write again: the plain cost of writing 67 MB at n = 32768),
-/// window_buffer_ms (prep + first write of one (n, 128) block, the window
-/// workspace's size at this layer shape). resize_advised prefaults only blocks of 4 MiB or more, so at
-/// n = 4096 (1 MiB matrices) the prep touches nothing and the first write takes the page faults.
+/// The fresh memory a one-shot run() allocates for its result: 2 · Hkv matrices of (n/4, d) floats,
+/// resized as run() resizes them, then written once, as run() fills them; freed outside the timed part.
+/// BM_Pipeline pays this, BM_PipelineReuse does not. Iteration time: allocation + first write.
+/// Counters: prep_ms (the allocation), first_write_ms (the first write of every byte: the page faults
+/// of fresh memory), rewrite_ms (the same write again: the plain cost of writing the bytes),
+/// window_buffer_ms (allocation + first write of one (n, 128) block, the window workspace's size).
 void BM_FreshResultMemory(benchmark::State& state) {
   const Index n = state.range(0), H = 8, d = 128;
   double prep = 0, first = 0, again = 0, window = 0;
@@ -161,13 +156,13 @@ void BM_FreshResultMemory(benchmark::State& state) {
     std::vector<RowMatrix<float>> result(static_cast<std::size_t>(2 * H));
     std::vector<RowMatrix<float>> buffer(1);
     const double t0 = thread_seconds();
-    for (auto& x : result) kvc::detail::resize_advised(x, n / 4, d);
+    for (auto& x : result) x.resize(n / 4, d);
     const double t1 = thread_seconds();
     write_all(result, 1.0f);
     const double t2 = thread_seconds();
     write_all(result, 2.0f);
     const double t3 = thread_seconds();
-    kvc::detail::resize_advised(buffer[0], n, 128);
+    buffer[0].resize(n, 128);
     write_all(buffer, 1.0f);
     const double t4 = thread_seconds();
     benchmark::DoNotOptimize(result.data());
@@ -190,13 +185,11 @@ void BM_FreshResultMemory(benchmark::State& state) {
 /// The same pipeline with Arguments::threads = range(1), wall time. speedup = best wall time of
 /// threads = 1 / best wall time of threads = range(1), each over three runs taken alternately before
 /// the timed iterations (so both sides have the same number of samples and see the same machine
-/// state; the timed iterations only give the benchmark its time). Earlier rounds compared a best of 2
-/// serial runs with the timed iterations alone, which under the standard command's one iteration
-/// read 1.5-1.9 for what several iterations measured as 1.9-2.1.
+/// state; the timed iterations only give the benchmark its time).
 /// speedup_reuse: the same ratio for run(layer, ratio, out, workspace) with each side's own result and
 /// workspace kept from a first untimed call, an engine's steady state. The one-shot ratio includes the
-/// fresh result's page faults, whose cost depends on the allocator's state when the benchmark starts
-/// (bench/README.md, thirteenth round). steal_ms: the machine's steal time (steal_seconds) over the
+/// fresh result's page faults, whose cost depends on the allocator's state when the benchmark starts.
+/// steal_ms: the machine's steal time (steal_seconds) over the
 /// 14 calls that give both ratios; well above 0, the second vCPU was not always there.
 template <class Preset>
 void BM_PipelineThreads(benchmark::State& state) {

@@ -72,8 +72,8 @@ void BM_WindowMassAmx(benchmark::State& state) { window_mass_benchmark(state, Wi
 
 /// Stage 1 without its mass pass: the window-attention product and the causal online softmax, as
 /// window_mass runs them (detail::window_exp_tiles_t: the exponentials of every key tile written to the
-/// workspace), all heads. frac_peak: what the "window-attention product and softmax" target
-/// names; BM_WindowMass adds the column sums (the mass pass) on top.
+/// workspace), all heads. frac_peak: the product and softmax's fraction of the FMA peak;
+/// BM_WindowMass adds the column sums (the mass pass) on top.
 void BM_WindowSoftmax(benchmark::State& state) {
   const Index n = state.range(0);
   const auto layer = layer_of(n).view();
@@ -244,7 +244,7 @@ const LayerScores& selkv_scores(Index n) {
 
 /// Selector (pooling + top-k) for all KV heads at ratio 0.25, per head (SnapKV) and shared (SelKV), on
 /// uniform random scores (Layer = false) or on SelKV's scores of the benchmark layer (Layer = true),
-/// which crowd into a narrow range (bench/README.md, thirteenth round).
+/// which crowd into a narrow range (most share their top 11 bits: TopK's refine_edge path).
 template <Granularity Gr, bool Layer = false>
 void BM_Select(benchmark::State& state) {
   const Index n = state.range(0);
@@ -271,8 +271,8 @@ void BM_Select(benchmark::State& state) {
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
 /// all KV heads, with the selection and mass computed once outside the timing and one set of output
 /// buffers per head, allocated and written before the timing and reused by every iteration, after
-/// time_iterations' untimed first pass (until the thirteenth round one set served every head, 4 MiB
-/// that could stay in the last-level cache). As in the pipeline, nothing is gathered: the router
+/// time_iterations' untimed first pass (one set per head, as the pipeline's result: a single shared
+/// set could stay in the last-level cache and flatter the stage). As in the pipeline, nothing is gathered: the router
 /// writes the kept keys (fills_keys), SoftGate the values (fills_values).
 void BM_RouteMergeCompensate(benchmark::State& state) {
   const Index n = state.range(0);

@@ -17,9 +17,15 @@
 #include <type_traits>
 #include <utility>
 
+// The one place the version is written (CMakeLists.txt reads these three lines).
 #define KVC_VERSION_MAJOR 0
 #define KVC_VERSION_MINOR 1
 #define KVC_VERSION_PATCH 0
+#define KVC_DETAIL_STR(x) #x
+#define KVC_DETAIL_XSTR(x) KVC_DETAIL_STR(x)
+/// "MAJOR.MINOR.PATCH", made from the three macros above.
+#define KVC_VERSION_STRING \
+  KVC_DETAIL_XSTR(KVC_VERSION_MAJOR) "." KVC_DETAIL_XSTR(KVC_VERSION_MINOR) "." KVC_DETAIL_XSTR(KVC_VERSION_PATCH)
 
 /// Internal invariant check. Off unless KVC_ENABLE_ASSERTS is defined (or NDEBUG is not defined and
 /// KVC_DISABLE_ASSERTS is not). Override by defining KVC_ASSERT before including any kvcompress header.
@@ -36,7 +42,7 @@ namespace kvc {
 
 using Index = std::ptrdiff_t;
 
-inline constexpr const char* version_string() { return "0.1.0"; }
+inline constexpr const char* version_string() { return KVC_VERSION_STRING; }
 
 // -------------------------------------------------------------------------------------------------
 // Errors

@@ -5,10 +5,6 @@
 //   auto result = kvc::SelKV{}.run(layer, kvc::Budget::ratio(0.25));
 //   kvc::compact_into(result, keys_out, values_out);               // and result.heads[g].bias
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
 
 #include "kvcompress/attention/decode_attention.hpp"

@@ -1,9 +1,5 @@
 // Quality metrics of a compressed layer against the full cache on the observation window.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 #include "kvcompress/result.hpp"

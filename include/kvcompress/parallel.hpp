@@ -1,6 +1,6 @@
 // Threading policy: how the library runs independent per-KV-head work. Serial unless the caller asks.
 //
-// Policy (documented in README and bench/README.md):
+// Policy (documented in README.md and docs/integration.md):
 //   * The library never creates a thread unless the caller sets a thread count > 1
 //     (`Pipeline::Arguments::threads`, or the `threads` argument of parallel_for).
 //   * Work is split over KV heads only. Each head's result is computed by exactly one thread with the

@@ -14,13 +14,11 @@
 // scoring, and route + merge + compensate) on that many std::threads; results are bit-identical for
 // any thread count (see parallel.hpp).
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
+#define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
+#undef KVC_INTERNAL_INCLUDE
 #include "kvcompress/parallel.hpp"
 #include "kvcompress/policy.hpp"
 #include "kvcompress/result.hpp"
@@ -504,8 +502,8 @@ class Pipeline {
         }
       } give_back{merged, out};
       const Index m = static_cast<Index>(sel.kept[g].size());
-      detail::resize_advised(merged.keys, m, d);  // (m_g, d): the kept rows, written below by the
-      detail::resize_advised(merged.values, m, d);  // router / merger or by the gathers
+      merged.keys.resize(m, d);    // (m_g, d): the kept rows, written below by the
+      merged.values.resize(m, d);  // router / merger or by the gathers
       // π: (n − m_g) → kept index. A router or merger that fills the kept keys / values in its own
       // sweep over the cache (fills_keys / fills_values) saves the gather's pass over those rows.
       if constexpr (detail::fills_keys<Router>::value) {

@@ -1,9 +1,5 @@
 // The types the pipeline's policies exchange: per-head context, routing, merge output, diagnostics.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 

@@ -3,10 +3,6 @@
 //
 //   TopK<sinks, recent, avg-pool kernel, granularity>      BucketRouter<bucket, statistic>
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/compensator/compensators.hpp"
 #include "kvcompress/merger/gated_merge.hpp"
 #include "kvcompress/merger/ridge.hpp"

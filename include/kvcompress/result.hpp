@@ -1,9 +1,5 @@
 // The compressed layer (SPEC §11) and its compaction into caller-provided cache memory.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 #include "kvcompress/policy.hpp"

@@ -1,9 +1,5 @@
 // RoPE repositioning (SPEC §10, SelKV Eq. 7): re-embed kept keys at new positions.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
 
 #include <cmath>

@@ -2,7 +2,11 @@
 // sizes 1, 4, 32 and 0 (Global), the empty-bucket fallback, ties and zero-norm keys.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/router/bucket_router.hpp>
+
 #include "support/bridge.hpp"
+#include "support/dots_against.hpp"
 #include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/reference.hpp"
@@ -374,7 +378,7 @@ TEMPLATE_TEST_CASE("BucketRouter: crowded buckets (candidates in several SIMD gr
 
 namespace {
 
-/// detail::dots_against_n<A, NY> (NY evicted tokens at once) against NY calls of detail::dots_against:
+/// detail::dots_against_n<A, NY> (NY evicted tokens at once) against NY calls of test::dots_against:
 /// the same floats, bit for bit, for counts within one group of S/NY rows and across several, head
 /// dims with and without a serial tail, rows at any offset (some repeated), some y repeated (as the
 /// router's short last group repeats its last token).
@@ -394,7 +398,7 @@ void check_dots_against_n(std::mt19937_64& rng) {
       std::vector<std::vector<float>> got(NY, std::vector<float>(static_cast<std::size_t>(count), -1.0f));
       float* out[NY];
       for (int t = 0; t < NY; ++t) {
-        detail::dots_against<A>(rows.data(), count, y[t], d, want[static_cast<std::size_t>(t)].data());
+        kvc::test::dots_against<A>(rows.data(), count, y[t], d, want[static_cast<std::size_t>(t)].data());
         out[t] = got[static_cast<std::size_t>(t)].data();
       }
       detail::dots_against_n<A, NY>(rows.data(), count, y, d, out);

@@ -8,10 +8,6 @@
 // of KV head g in that additive mask, at column i, for every query head h with h / G == g; tokens
 // appended after compression get 0. The logit of entry i is then softcap(scale·<q,k_i>) + bias_i.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 #include "kvcompress/simd/decode_kernels.hpp"
@@ -118,8 +114,8 @@ void decode_tile_scores(const float* q, const TensorView<const T>& keys, Index g
 /// registers (simd::axpy_block), then one batch, then the scalar column tail. While sweeping, the
 /// `prefetch_bytes` at `prefetch` (the next block of rows, or null) are prefetched front to back, as
 /// many lines per row read as it takes to cover them in the vector sweeps (2 for float rows with
-/// 16-lane batches and d = 128: 64 row reads for a 16-row block of 128 lines; until the fourteenth
-/// round 1, which left the second half of every next block to the hardware prefetcher, bench/README.md).
+/// 16-lane batches and d = 128: 64 row reads for a 16-row block of 128 lines; one line per read would
+/// leave the second half of every next block to the hardware prefetcher).
 template <class Arch, int NH, class T>
 void decode_block_values(const float* w, Index w_stride, const T* v, Index v_stride, Index rows, Index d, float* o,
                          const char* prefetch, Index prefetch_bytes) {

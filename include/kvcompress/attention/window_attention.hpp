@@ -1,12 +1,10 @@
 // Window attention over the observation window (SPEC §2): causal probabilities of the last W
 // prefill queries over the whole cache, and the per-KV-head attention mass `a`.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
+#define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
+#undef KVC_INTERNAL_INCLUDE
 #include "kvcompress/simd/amx_window.hpp"
 #include "kvcompress/simd/kernels.hpp"
 #include "kvcompress/simd/window_gemm.hpp"
@@ -23,8 +21,8 @@ namespace kvc {
 enum class WindowProduct {
   fma,        ///< float FMA (simd::window_logits_t): the default
   amx_bf16x3  ///< Intel AMX tiles, each float split into two bf16, three products (simd/amx_window.hpp):
-              ///< about ten times the float product's error; the window stage in about 0.7 of its FMA
-              ///< time on the benchmark VM. Float FMA where it cannot run (window_product_in_effect).
+              ///< about ten times the float product's error, in 0.7–0.8 of the FMA product's time
+              ///< (docs/performance.md). Float FMA where it cannot run (window_product_in_effect).
               ///< Everything computed from the window exponentials carries its error: the mass and,
               ///< for RidgeMerge, the window outputs Y.
 };
@@ -288,7 +286,7 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
     simd::pack_queries<Arch>(ws.queries.data(), d, R, d, static_cast<float>(args.resolved_scale(d)),
                              ws.packed.data());
   }
-  resize_advised(ws.exps, n, Rp);
+  ws.exps.resize(n, Rp);
   ws.shift.resize(tiles, Rp);
   ws.row_max.setConstant(Rp, -std::numeric_limits<float>::infinity());
   ws.row_sum.setZero(Rp);

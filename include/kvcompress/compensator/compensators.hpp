@@ -1,9 +1,5 @@
 // Compensators (SPEC §8): one additive decode-time logit bias per kept entry.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
 #include "kvcompress/merger/gated_merge.hpp"
 #include "kvcompress/policy.hpp"

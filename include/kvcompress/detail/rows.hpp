@@ -11,11 +11,6 @@
 
 #include <cstdint>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
-
 // Non-temporal stores (copy_row_streaming): x86 with SSE, any compiler.
 #if defined(__x86_64__) || defined(_M_X64) || defined(__SSE__) || (defined(_M_IX86_FP) && _M_IX86_FP >= 1)
 #include <immintrin.h>
@@ -32,41 +27,6 @@
 #include <vector>
 
 namespace kvc::detail {
-
-/// Prepares a fresh, untouched allocation [p, p + bytes) that the caller is about to fill entirely
-/// (Linux; a no-op elsewhere): the whole 2 MiB pages inside it are advised MADV_HUGEPAGE (transparent
-/// huge pages in "madvise" or "always" mode), then the whole pages inside it are prefaulted with
-/// MADV_POPULATE_WRITE (Linux >= 5.14): one system call instead of one page fault per page, which is
-/// most of the cost of filling tens of MB of new memory. Neither changes the contents; errors (older
-/// kernels, no THP) are ignored: both are only about speed.
-inline void prepare_fresh_pages(void* p, std::size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p), last = first + bytes;
-  constexpr std::uintptr_t huge = std::uintptr_t(1) << 21;
-  const std::uintptr_t begin = (first + huge - 1) & ~(huge - 1), end = last & ~(huge - 1);
-  if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#if defined(MADV_POPULATE_WRITE)
-  const long page_size = ::sysconf(_SC_PAGESIZE);
-  const std::uintptr_t page = page_size > 0 ? static_cast<std::uintptr_t>(page_size) : 4096;
-  const std::uintptr_t b = (first + page - 1) & ~(page - 1), e = last & ~(page - 1);
-  if (e > b) (void)::madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE);
-#endif
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
-/// m.resize(rows, cols); when that allocated new storage of at least 4 MiB, prepare_fresh_pages on it
-/// (Eigen does not touch storage on resize, so this precedes the first write). For buffers the caller
-/// fills entirely right after.
-template <class Matrix>
-void resize_advised(Matrix& m, Index rows, Index cols) {
-  const void* before = m.data();
-  m.resize(rows, cols);
-  const std::size_t bytes = static_cast<std::size_t>(m.size()) * sizeof(typename Matrix::Scalar);
-  if (m.data() != before && bytes >= (std::size_t(4) << 20)) prepare_fresh_pages(m.data(), bytes);
-}
 
 /// Row-major map of `count` rows of head `h` starting at token `first`, usable when T == Real.
 template <class Real>
@@ -272,8 +232,7 @@ class RowPrefetcher {
 /// Every element of head h of v is finite: the answer of detail::head_finite. For float rows one SIMD
 /// pass tests the exponent bits and reduces once per head (not once per row), with the rows
 /// kScanPrefetchRows ahead prefetched; other element types go to detail::head_finite. The pipeline's
-/// NaN/Inf scan of V when the scorer does not read V (SnapKV): 12.2–12.6 ms → 9.5–10.0 ms per
-/// Llama-8B layer at n = 32768 on the AVX-512 VM of bench/README.md's seventh round (scratch driver).
+/// NaN/Inf scan of V when the scorer does not read V (SnapKV).
 inline constexpr Index kScanPrefetchRows = 4;
 
 template <class T>

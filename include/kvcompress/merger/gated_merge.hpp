@@ -1,11 +1,9 @@
 // Mergers that pour evicted tokens into their routed kept token (SPEC §7): Drop, MergeAll, SoftGate.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
+#define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
+#undef KVC_INTERNAL_INCLUDE
 #include "kvcompress/policy.hpp"
 #include "kvcompress/simd/kernels.hpp"
 

@@ -2,12 +2,13 @@
 // the full cache's window attention outputs.
 #pragma once
 
-#include "kvcompress/policy.hpp"  // first: defines KVC_INTERNAL_INCLUDE for the private headers
-
 #include "kvcompress/core.hpp"
+#define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
+#undef KVC_INTERNAL_INCLUDE
 #include "kvcompress/linalg/conjugate_gradient.hpp"
 #include "kvcompress/linalg/dense_solve.hpp"
+#include "kvcompress/policy.hpp"
 
 #include <algorithm>
 #include <cmath>

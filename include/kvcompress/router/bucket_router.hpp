@@ -1,11 +1,9 @@
 // Routers (SPEC §6): send every evicted token of a KV head to one kept token.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
+#define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
+#undef KVC_INTERNAL_INCLUDE
 #include "kvcompress/policy.hpp"
 #include "kvcompress/router/no_route.hpp"
 #include "kvcompress/simd/kernels.hpp"
@@ -78,12 +76,6 @@ inline void dots_against_n(const T* const* rows, Index count, const T* const* y,
         out[t][c0 + r] = s;
       }
   }
-}
-
-/// out[c] = <rows[c], y> (dots_against_n with one y).
-template <class A, class T>
-inline void dots_against(const T* const* rows, Index count, const T* y, Index d, float* out) {
-  dots_against_n<A, 1>(rows, count, &y, d, &out);
 }
 
 /// <x, y> of two rows of element type T in Real (the serial loop used for double arithmetic).

@@ -1,9 +1,5 @@
 // The no-op router: routes nothing.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
 #include "kvcompress/policy.hpp"
 

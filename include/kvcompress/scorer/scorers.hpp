@@ -3,12 +3,10 @@
 // Every scorer has a nested `Arguments`, a non-throwing `validate`, a compile-time flag
 // `needs_mass` (whether it reads the window attention mass a_g) and the verb `score`.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
+#define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
+#undef KVC_INTERNAL_INCLUDE
 
 namespace kvc {
 

@@ -1,10 +1,6 @@
 // Selector (SPEC §3, §5): forced sinks and recent tokens, then the top scores, per KV head or
 // shared by all KV heads; optional SnapKV-style pooling of the scores over the candidate region.
 #pragma once
-#ifndef KVC_INTERNAL_INCLUDE
-#define KVC_INTERNAL_INCLUDE
-#endif
-
 #include "kvcompress/core.hpp"
 #include "kvcompress/parallel.hpp"
 
@@ -279,17 +275,14 @@ struct TopK {
   /// (2048 bins); every candidate of a bin before the one holding the k-th best is in; a large bin
   /// holding it is split again by the next bits (refine_edge), and only what is left goes through
   /// nth_element. The same set as the pair path (selector_test checks both against the reference).
-  /// Scratch timings (shared selection of 8 heads, n = 32768): on uniform random scores as in
-  /// BM_Select, 3.00 ms for pairs, 1.58–1.66 with the top-bit histogram (ninth round); on SelKV's
-  /// scores of the benchmark layer, where 23 of 32 thousand scores share their top 11 bits, 3.5 ms
-  /// with the histogram alone and 2.4 ms with refine_edge (thirteenth round).
+  /// About twice as fast as the pair path; refine_edge matters when scores crowd into a narrow range
+  /// (SelKV's scores often share their top 11 bits).
   static void top_candidates_float(const Vector<float>& s, Index n, Index m, ForcedCounts f,
                                    const std::vector<char>* allowed, detail::SelectScratch<float>::Worker& w,
                                    std::vector<Index>& out) {
     constexpr std::uint32_t kOut = 1u << (32 - kShift);  // the bin of a position `allowed` excludes
     const Index lo = f.sinks, hi = n - f.recent, len = std::max<Index>(0, hi - lo);
-    // bin_of is kept rather than derived again from key and `allowed` in the second pass: deriving it
-    // measured 0.1-0.2 ms slower per BM_Select/32768.
+    // bin_of is stored rather than derived again from key and `allowed` in the second pass (cheaper).
     auto &key = w.key, &bin_of = w.bin_of, &hist = w.hist;
     key.resize(static_cast<std::size_t>(len));
     bin_of.resize(static_cast<std::size_t>(len));

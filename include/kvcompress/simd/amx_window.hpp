@@ -17,7 +17,7 @@
 // compile flag is needed; other compilers get the float product), a CPU with AMX-TILE, AMX-BF16 and
 // AVX512-BF16, and the kernel's permission for AMX tile data, which amx_bf16_available() requests
 // once per process (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), Linux >= 5.16): a
-// process-wide side effect, documented in README.md, taken only when the AMX product is asked for
+// process-wide side effect, documented in docs/integration.md, taken only when the AMX product is asked for
 // and the shape qualifies. Elsewhere amx_bf16_available() is false.
 #pragma once
 
@@ -58,10 +58,8 @@ using Index = std::ptrdiff_t;
 /// head dimensions, 16 rows of (dimension pair) × 32 bf16 (16 queries × the pair), hi and lo parts.
 struct AmxQueries {
   /// hi, lo, then the staging scratch of amx_window_logits_t (one block of 16 converted keys; so one
-  /// AmxQueries per thread), 64-byte aligned, in one allocation, so their relative placement is fixed.
-  /// (As three vectors BM_WindowMassAmx/32768 once read 72–76 ms against 63–66 with an unrelated
-  /// allocation before them; later, offsets inside the one allocation made no difference, and whether
-  /// the window workspace was still cached moved the stage by 9 ms: bench/README.md, twelfth round.)
+  /// AmxQueries per thread), 64-byte aligned, in one allocation, so their relative placement is fixed
+  /// and does not depend on the allocator.
   std::vector<std::uint16_t> storage;
   std::size_t hi_at = 0, lo_at = 0, staging_at = 0;  ///< element offsets into storage
   Index groups = 0;                                  ///< Rp / 16

@@ -14,7 +14,7 @@
 //   use.
 // * The loops over a register block carry `#pragma GCC unroll`: GCC unrolls them fully by itself only
 //   at -O3, and at -O2 (RelWithDebInfo, common in engines) the accumulator arrays otherwise live on the
-//   stack (decode measured 1.3–2.3× slower; see bench/README.md, fifth round).
+//   stack and decode runs much slower.
 //
 // Every kernel has a fixed summation order for a given A, d and block shape: results are deterministic.
 #pragma once

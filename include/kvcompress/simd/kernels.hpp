@@ -49,10 +49,8 @@ inline fbatch<A> exp(const fbatch<A>& x_in) {
 /// on ARM (the library reports NaN logits through its finite checks before using any result).
 /// Cheaper than simd::exp (no two-step ln 2 reduction, one polynomial term less), so the softmax
 /// kernels take e^x as 2^(x·log2 e): on AVX-512, where the reduction is one vreduceps and 2^n is
-/// applied by vscalefps (which takes floor(y) itself), a batch with the softmax's load, shift, store
-/// and sum cost 2.8-2.9 ns in a scratch driver against 3.3-3.4 for a form of this function that
-/// rounds to nearest (bench/README.md, tenth round, also for simd::exp). vscalefps gives the same correctly
-/// rounded product as the multiply by the power of two elsewhere, so architectures with a fused
+/// applied by vscalefps (which takes floor(y) itself), cheaper than rounding y to nearest.
+/// vscalefps gives the same correctly rounded product as the multiply by the power of two elsewhere, so architectures with a fused
 /// multiply-add return the same bits (tested against a scalar mirror).
 template <class A>
 inline fbatch<A> exp2(const fbatch<A>& y_in) {

@@ -41,8 +41,8 @@ inline constexpr int kPanelBatches = fbatch<A>::size >= 16 ? 4 : 2;
 /// Columns of the query panel that starts where `remaining` padded columns are left (d: the head
 /// dimension): the widest of kPanelBatches·L, 2L, L that fits in `remaining` — where kPanelBatches·L
 /// columns of d floats are at most 32 KiB (a panel stays in L1 while the keys pass), else at most 2L.
-/// The bound was measured on a 48 KiB L1D (bench/README.md, tenth round); at d = 128 a 4-batch panel is
-/// exactly 32 KiB, all of the L1D of Skylake-SP / Cascade Lake, where it is unmeasured.
+/// The bound suits a 48 KiB L1D; at d = 128 a 4-batch panel is exactly 32 KiB, all of the L1D of
+/// Skylake-SP / Cascade Lake (not measured there).
 /// pack_queries and window_logits_t both lay panels out this way.
 template <class A>
 inline Index panel_columns(Index remaining, Index d) {
@@ -183,20 +183,14 @@ inline void logits_panel(const float* k, Index ldk, Index count, Index d, const 
 /// k_j = k + j·ldk (d floats each) and every packed query column c < Rp = padded_queries(R).
 /// Panel by panel (panel_columns): each panel (P·d floats: 8 KiB on AVX2 and 32 KiB on AVX-512 at
 /// d = 128) stays in L1 while all the keys pass (re-read from L2 once per panel when a caller's tile
-/// of keys fits there). AVX-512's 4-batch panels (2-batch ones before the tenth round) made
-/// kvc_bench's BM_WindowLogits 3-4 % faster on average, with the layer in 4 KiB and in 2 MiB pages
-/// (bench/README.md, tenth round). Keys outer and panels
-/// inner instead streamed all Rp·d panel floats from L2 for every block of kLogitsKeys keys (2.7× the
-/// L2 traffic on AVX2) and measured about 5% slower on stage 1 there. Every output has the same
-/// arithmetic either way.
+/// of keys fits there). Panels outer, keys inner: the other order would stream all Rp·d panel floats
+/// from L2 for every block of kLogitsKeys keys. Every output has the same arithmetic either way.
 ///
 /// `next` (optional, same row stride ldk) names the `next_count` key rows the caller will pass in its
 /// next call: they are prefetched into L2 while this tile computes, each panel pass taking its share
 /// of their 64-byte lines (panel i of P: lines i, i + P, ...), so the next tile's first pass finds its
-/// keys in L2 instead of waiting on DRAM: the hardware prefetchers alone did not keep the first panel
-/// pass fed. On the AVX-512 VM of bench/README.md's seventh round, kvc_bench's BM_WindowLogits went
-/// from about 0.60 to 0.71 of the FMA peak with it (BM_WindowMass from 0.47 to 0.55; three alternating
-/// runs of the old and new binaries). Rows of a last partial block of kLogitsKeys are not prefetched.
+/// keys in L2 instead of waiting on DRAM (the hardware prefetchers alone do not keep the first panel
+/// pass fed). Rows of a last partial block of kLogitsKeys are not prefetched.
 ///
 /// `tile_max` (optional, Rp floats): receives, lane by lane, the maximum of the `count` logits written,
 /// or NaN when one of them is NaN or ±Inf; taken from the registers, so softmax_tile_t can skip its

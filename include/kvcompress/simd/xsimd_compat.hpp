@@ -35,11 +35,9 @@ using fbatch = xsimd::batch<float, A>;
 /// (prefetch_l2: prefetcht1). Hints only, results never depend on them; `p` must point into a live
 /// object. On x86 with GCC or Clang they are `asm volatile`, not __builtin_prefetch: GCC 12 (-O2,
 /// -O3) may delete a loop whose body is only __builtin_prefetch calls (a loop without side effects),
-/// depending on how the surrounding code is inlined and unrolled. A small reorganisation of
-/// window_logits_t's prefetch loop (eighth round, bench/README.md) left kvc_bench with no prefetcht1
-/// at all, silently. The asm reads one byte at `p` as far as the compiler knows, so a pending store
-/// the compiler cannot prove unrelated is done before it: keep them out of loops whose results live
-/// in memory. MSVC: _mm_prefetch on x86; elsewhere __builtin_prefetch (whose loops may still vanish).
+/// silently, depending on how the surrounding code is inlined and unrolled. The asm reads one byte at
+/// `p` as far as the compiler knows, so a pending store the compiler cannot prove unrelated is done
+/// before it: keep them out of loops whose results live in memory. MSVC: _mm_prefetch on x86; elsewhere __builtin_prefetch (whose loops may still vanish).
 #if (defined(__GNUC__) || defined(__clang__)) && \
     (defined(__x86_64__) || (defined(__i386__) && defined(__SSE__)))
 #define KVC_DETAIL_PREFETCH_ASM 1
@@ -75,8 +73,8 @@ inline void prefetch_l2(const void* p) {
 /// xsimd::fma is the generic x * y + z, which the compiler fuses only when it contracts floating-point
 /// expressions. GCC 12 does at -O2 (kvc_bench, the demo), not at -O1 (this project's tests) nor -O0,
 /// nor with -ffp-contract=off, which numerical codes set for reproducibility: there every
-/// multiply-add of the AVX-512 kernels was two instructions and two roundings, so results differed
-/// with the optimisation level. Elsewhere xsimd's own (fused where the architecture has FMA:
+/// multiply-add of the AVX-512 kernels would be two instructions and two roundings, and results would
+/// differ with the optimisation level. Elsewhere xsimd's own (fused where the architecture has FMA:
 /// fma3<...>, NEON). Call it qualified (simd::fma): unqualified, argument-dependent lookup also finds
 /// xsimd::fma.
 template <class A>

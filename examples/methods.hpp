@@ -120,21 +120,8 @@ Compressor make(const MethodOptions& o, const std::string& method) {
 }  // namespace detail
 
 /// The compressor for a method name; throws std::invalid_argument naming the problem for an
-/// unknown method or an option that does not apply to it.
-inline Compressor make_method(const std::string& name, const MethodOptions& o = {}) {
-  if (name == "full") return detail::make<FullCache>(o, name);
-  if (name == "streaming") return detail::make<StreamingLLM>(o, name);
-  if (name == "snapkv") return detail::make<SnapKV>(o, name);
-  if (name == "selkv-evict") return detail::make<SelKVEvict>(o, name);
-  if (name == "selkv") return detail::make<SelKV>(o, name);
-  if (name == "selkv-mergeall") return detail::make<SelKVMergeAll>(o, name);
-  if (name == "knorm") return detail::make<KNorm>(o, name);
-  if (name == "grkv") return detail::make<SnapKVGRKV>(o, name);
-  if (name == "grkv-selkv") return detail::make<SelKVEvictGRKV>(o, name);
-  if (name == "grkv-streaming") return detail::make<StreamingLLMGRKV>(o, name);
-  std::string known;
-  for (const auto& n : method_names()) known += (known.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("unknown method '" + name + "' (known: " + known + ")");
-}
+/// unknown method or an option that does not apply to it. Defined in methods.cpp, so that the presets
+/// are compiled once (target kvc_cli_methods).
+Compressor make_method(const std::string& name, const MethodOptions& o = {});
 
 }  // namespace kvc::cli

@@ -3,6 +3,18 @@
 // identity, memory layouts, half / bfloat16 inputs, compact_into, window_output_error and diagnostics.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/compensator/compensators.hpp>
+#include <kvcompress/merger/gated_merge.hpp>
+#include <kvcompress/merger/ridge.hpp>
+#include <kvcompress/metrics.hpp>
+#include <kvcompress/pipeline.hpp>
+#include <kvcompress/presets.hpp>
+#include <kvcompress/result.hpp>
+#include <kvcompress/router/bucket_router.hpp>
+#include <kvcompress/scorer/scorers.hpp>
+#include <kvcompress/selector/top_k.hpp>
+
 #include "support/bridge.hpp"
 #include "support/head_fixtures.hpp"
 #include "support/random.hpp"

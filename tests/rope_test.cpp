@@ -2,6 +2,10 @@
 // pair layouts and partial rotary dimensions, and the pipeline's `reposition` option.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/presets.hpp>
+#include <kvcompress/result.hpp>
+#include <kvcompress/rope.hpp>
+
 #include "support/bridge.hpp"
 #include "support/random.hpp"
 #include "support/tolerances.hpp"

@@ -2,6 +2,8 @@
 // kvc::ref::decode_attention, the bias semantics an engine relies on, and the error paths.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/decode_attention.hpp>
+
 #include "support/bridge.hpp"
 #include "support/random.hpp"
 #include "support/test_utils.hpp"

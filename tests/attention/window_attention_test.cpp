@@ -3,6 +3,8 @@
 // grouped queries, soft-capping, both memory layouts and half / bfloat16 storage.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/window_attention.hpp>
+
 #include "support/bridge.hpp"
 #include "support/random.hpp"
 #include "support/tolerances.hpp"

@@ -3,6 +3,15 @@
 // position (the mean over KV heads), per-head selection one per head.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/compensator/compensators.hpp>
+#include <kvcompress/merger/gated_merge.hpp>
+#include <kvcompress/pipeline.hpp>
+#include <kvcompress/presets.hpp>
+#include <kvcompress/router/bucket_router.hpp>
+#include <kvcompress/scorer/scorers.hpp>
+#include <kvcompress/selector/top_k.hpp>
+
 #include "support/bridge.hpp"
 #include "support/head_fixtures.hpp"
 #include "support/random.hpp"

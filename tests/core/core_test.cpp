@@ -1,6 +1,11 @@
 // Views, layouts, budgets and input validation (core.hpp), and the pipeline's error paths.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/presets.hpp>
+#include <kvcompress/result.hpp>
+#include <kvcompress/rope.hpp>
+#include <kvcompress/scorer/scorers.hpp>
+
 #include "support/bridge.hpp"
 #include "support/random.hpp"
 #include "support/test_utils.hpp"

@@ -1,6 +1,7 @@
 // Real-model tests of the examples/engine harness (TinyStories-260K). Exits 77 (skip) without the model.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include "support/test_main.hpp"
 
 #include "../../examples/engine/eval.hpp"
 #include "../../examples/engine/llama2.hpp"
@@ -24,7 +25,7 @@ using namespace kvc::engine;
 
 namespace {
 
-std::string g_model_dir;  // set by main()
+std::string g_model_dir;  // set by needs_model before the tests run
 
 std::string checkpoint_path() { return g_model_dir + "/" + kCheckpointFile; }
 std::string tokenizer_path() { return g_model_dir + "/" + kTokenizerFile; }
@@ -975,13 +976,11 @@ TEST_CASE("malformed tokenizers are rejected with messages naming the file", "[e
   CHECK_NOTHROW(Tokenizer::load(tokenizer_path(), 512));
 }
 
-int main(int argc, char** argv) {
-  const std::optional<std::string> dir = find_model_dir();
-  if (!dir) {
-    std::cout << "SKIPPED: " << model_missing_message() << std::endl;
-    return 77;
-  }
+namespace {
+const kvc::test::RunOnlyIf needs_model([]() -> std::string {
+  const auto dir = find_model_dir();
+  if (!dir) return model_missing_message();
   g_model_dir = *dir;
-  std::cout << "model dir: " << g_model_dir << std::endl;
-  return Catch::Session().run(argc, argv);
-}
+  return "";
+});
+}  // namespace

@@ -1,8 +1,9 @@
 // The kvcompress tool's methods on the real model (TinyStories-260K): at ratio 1.0 (and for `full`)
 // every method leaves the cache untouched, so KL is exactly 0 and top-1 agreement exactly 1; at a real
 // ratio the compressed run differs. `generate` and `eval` run end to end. Exits 77 without the model.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include "support/test_main.hpp"
 
 #include "cli_commands.hpp"
 #include "support/test_utils.hpp"
@@ -59,12 +60,11 @@ TEST_CASE("generate and eval run end to end on the model", "[cli][model]") {
   CHECK_THAT(err, Catch::Contains("--lambda does not apply to method 'snapkv'"));
 }
 
-int main(int argc, char** argv) {
+namespace {
+const kvc::test::RunOnlyIf needs_model([]() -> std::string {
   const auto dir = kvc::engine::find_model_dir();
-  if (!dir) {
-    std::cout << "SKIPPED: " << kvc::engine::model_missing_message() << std::endl;
-    return 77;
-  }
+  if (!dir) return kvc::engine::model_missing_message();
   g_model_dir = *dir;
-  return Catch::Session().run(argc, argv);
-}
+  return "";
+});
+}  // namespace

@@ -43,10 +43,6 @@ auto dense_operator(const Eigen::MatrixXd& A) {
   return [Ar](const kvc::Vector<Real>& in, kvc::Vector<Real>& out) { out.noalias() = Ar * in; };
 }
 
-struct PrintSeed {
-  PrintSeed() { std::cout << "KVC_TEST_SEED=" << kvc::test::test_seed() << "\n"; }
-} print_seed;
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("CG matches a dense LLT solve on random SPD systems", "[linalg][cg]", float, double) {

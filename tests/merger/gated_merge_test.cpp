@@ -3,6 +3,11 @@
 // Drop when every gate is 0, = MergeAll when every gate is 1) and the mass floor τ.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/merger/gated_merge.hpp>
+#include <kvcompress/pipeline.hpp>  // the pipeline's reading of a merger's declarations
+#include <kvcompress/router/bucket_router.hpp>
+
 #include "support/bridge.hpp"
 #include "support/head_fixtures.hpp"
 #include "support/random.hpp"

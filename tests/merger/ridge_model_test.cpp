@@ -1,8 +1,9 @@
 // GRKV on real caches (TinyStories-260K): the ridge merge lowers the window attention-output error of
 // SnapKV's eviction on every layer at rho = 0.1 and 0.25, and reports sane CG statistics.
 // Exits 77 (reported as skipped) when the model files are absent.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include "support/test_main.hpp"
 
 #include "engine/eval.hpp"
 #include "engine/model_path.hpp"
@@ -83,12 +84,11 @@ TEST_CASE("SnapKV + GRKV lowers the window error on real caches", "[ridge][model
   }
 }
 
-int main(int argc, char** argv) {
+namespace {
+const kvc::test::RunOnlyIf needs_model([]() -> std::string {
   const auto dir = kvc::engine::find_model_dir();
-  if (!dir) {
-    std::cout << "SKIPPED: " << kvc::engine::model_missing_message() << std::endl;
-    return 77;
-  }
+  if (!dir) return kvc::engine::model_missing_message();
   g_model_dir = *dir;
-  return Catch::Session().run(argc, argv);
-}
+  return "";
+});
+}  // namespace

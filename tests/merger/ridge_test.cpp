@@ -52,10 +52,6 @@ struct Tol<float> {
 constexpr double kFdStep = 1e-6;
 constexpr double kFdTolerance = 1e-6;
 
-struct PrintSeed {
-  PrintSeed() { std::cout << "KVC_TEST_SEED=" << kvc::test::test_seed() << "\n"; }
-} print_seed;
-
 double rel(const Mat& a, const Mat& b) {
   const double nb = b.norm();
   return (a - b).norm() / (nb > 0 ? nb : 1.0);

@@ -2,6 +2,15 @@
 // fed with the library's own window attention mass, and through a pipeline's selection.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/compensator/compensators.hpp>
+#include <kvcompress/merger/gated_merge.hpp>
+#include <kvcompress/pipeline.hpp>
+#include <kvcompress/presets.hpp>
+#include <kvcompress/router/bucket_router.hpp>
+#include <kvcompress/scorer/scorers.hpp>
+#include <kvcompress/selector/top_k.hpp>
+
 #include "support/bridge.hpp"
 #include "support/head_fixtures.hpp"
 #include "support/random.hpp"

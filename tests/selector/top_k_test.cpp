@@ -3,6 +3,10 @@
 // selection invariants, and the StreamingLLM / SnapKV presets.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/presets.hpp>
+#include <kvcompress/selector/top_k.hpp>
+
 #include "support/bridge.hpp"
 #include "support/random.hpp"
 #include "support/tolerances.hpp"

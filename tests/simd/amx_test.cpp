@@ -3,11 +3,14 @@
 // non-finite keys, and a whole SnapKV run. Reported as skipped (exit 77, with a message) where this
 // process cannot use AMX; the fallback to the FMA product is tested everywhere, in
 // window_attention_test.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/presets.hpp>
 
 #include "support/bridge.hpp"
 #include "support/random.hpp"
+#include "support/test_main.hpp"
 #include "support/tolerances.hpp"
 
 #include <kvcompress/simd/amx_window.hpp>
@@ -154,11 +157,10 @@ TEST_CASE("SnapKV with the AMX product keeps the budget and scores like the FMA 
   CHECK(double(same) >= 0.97 * double(total));
 }
 
-int main(int argc, char* argv[]) {
-  if (!kvc::simd::amx_bf16_available()) {
-    std::puts("skipped: this process cannot use AMX-BF16 (CPU without AMX-TILE, AMX-BF16 and AVX512-BF16, "
-              "or a kernel that does not grant the tile-data permission); the AMX product is not tested here");
-    return 77;
-  }
-  return Catch::Session().run(argc, argv);
-}
+namespace {
+const kvc::test::RunOnlyIf amx_only([]() -> std::string {
+  if (kvc::simd::amx_bf16_available()) return "";
+  return "this process cannot use AMX-BF16 (CPU without AMX-TILE, AMX-BF16 and AVX512-BF16, or a kernel that "
+         "does not grant the tile-data permission); the AMX product is not tested here";
+});
+}  // namespace

@@ -2,9 +2,12 @@
 // offsets, and float / half / bfloat16 inputs, for the default architecture and a narrower one.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/core.hpp>
+#define KVC_INTERNAL_INCLUDE  // this test checks the private row helpers too
+#include <kvcompress/detail/rows.hpp>
+#undef KVC_INTERNAL_INCLUDE
 #include <kvcompress/simd/kernels.hpp>
 #include <kvcompress/simd/window_gemm.hpp>
-#include <kvcompress/kvcompress.hpp>
 
 #include "support/random.hpp"
 

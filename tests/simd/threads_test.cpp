@@ -3,7 +3,10 @@
 // column sums; parallel_for runs every index once and propagates exceptions.
 #include <catch2/catch.hpp>
 
-#include <kvcompress/kvcompress.hpp>
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/presets.hpp>
+#include <kvcompress/result.hpp>
+
 #include <kvcompress/parallel.hpp>
 
 #include "support/bridge.hpp"

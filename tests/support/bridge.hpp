@@ -2,7 +2,7 @@
 // either memory layout, and library results back into doubles, so tests can compare the two.
 #pragma once
 
-#include <kvcompress/kvcompress.hpp>
+#include <kvcompress/core.hpp>
 
 #include "support/reference.hpp"
 

@@ -1,7 +1,8 @@
 // tests/support/head_fixtures.hpp — helpers shared by the per-KV-head stage tests: kept/evicted sets, window mass, routing, a random layer.
 #pragma once
 
-#include <kvcompress/kvcompress.hpp>
+#include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/core.hpp>
 
 #include "support/bridge.hpp"
 #include "support/random.hpp"

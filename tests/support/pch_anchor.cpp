@@ -1,0 +1,1 @@
+// Anchor of the tests' precompiled header (target kvc_test_pch).

@@ -1,0 +1,109 @@
+// Hostile input: finite results or a clear kvc::error for every input, overflow-safe validation of
+// views and extents, every option (enums included) range-checked, and compaction that checks every
+// entry and every destination before it writes anything.
+#include <catch2/catch.hpp>
+
+#include "support/bridge.hpp"
+#include "support/random.hpp"
+#include "support/test_utils.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+using namespace kvc;
+using kvc::test::error_of;
+
+namespace {
+
+/// K, Q ~ N(0, 1), V ~ N(0, 1)·value_scale (or ±value_scale with `signs`), head-major, in T.
+template <class T>
+struct Owned {
+  Index H, Hq, n, W, d;
+  std::vector<T> k, v, q;
+
+  Owned(std::uint64_t stream, Index H_, Index Hq_, Index n_, Index W_, Index d_, double value_scale,
+        bool signs = false)
+      : H(H_), Hq(Hq_), n(n_), W(W_), d(d_) {
+    std::mt19937_64 rng = kvc::test::make_rng(stream);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    const auto fill = [&](std::vector<T>& buf, Index count, double scale, bool sign_only) {
+      buf.resize(static_cast<std::size_t>(count));
+      for (T& x : buf) {
+        const double z = normal(rng);
+        x = from_real<T>(static_cast<float>(sign_only ? (z < 0 ? -scale : scale) : z * scale));
+      }
+    };
+    fill(k, H * n * d, 1.0, false);
+    fill(v, H * n * d, value_scale, signs);
+    fill(q, Hq * W * d, 1.0, false);
+  }
+  LayerView<T> view() const {
+    return {make_head_major<const T>(k.data(), H, n, d), make_head_major<const T>(v.data(), H, n, d),
+            make_head_major<const T>(q.data(), Hq, W, d)};
+  }
+};
+
+template <class Real>
+bool all_finite(const LayerResult<Real>& r) {
+  for (const auto& h : r.heads)
+    if (!h.keys.allFinite() || !h.values.allFinite() || !h.bias.allFinite()) return false;
+  return true;
+}
+
+/// Row i of head g of `values` equals the cached value at the kept position (the value step left it).
+template <class T, class Real>
+bool values_unchanged(const Owned<T>& layer, const HeadResult<Real>& h, Index g) {
+  for (Index i = 0; i < h.size(); ++i)
+    for (Index c = 0; c < layer.d; ++c)
+      if (h.values(i, c) != to_real<Real>(layer.v[static_cast<std::size_t>((g * layer.n + h.positions[i]) * layer.d + c)]))
+        return false;
+  return true;
+}
+
+}  // namespace
+
+// ---- views: overflow-checked aliasing test and byte span ----------------------------------
+
+TEST_CASE("views whose strides or extents overflow are rejected", "[hardening][view]") {
+  std::vector<float> buf(64, 1.f);
+  const TensorView<const float> wrap{buf.data(), 8, 2, 1, Index(1) << 61, Index(1) << 62};
+  CHECK_FALSE(detail::rows_disjoint(wrap));  // 8 · 2^61 overflows: the token stride 2^62 is inside the heads' span
+  const auto st = detail::check_view(wrap, "keys");
+  CHECK_FALSE(st.is_ok());
+  CHECK_THAT(st.message(), Catch::Contains("keys"));
+
+  // [1][2^58][64] floats: the byte span overflows; [1][2^52][64]: 2^60 bytes, beyond any address space.
+  for (Index tokens : {Index(1) << 58, Index(1) << 55, Index(1) << 52}) {
+    INFO("tokens " << tokens);
+    const TensorView<const float> huge{buf.data(), 1, tokens, 64, 0, 64};
+    const Status s = detail::check_view(huge, "keys");
+    CHECK(s.code() == Status::Code::invalid_shape);
+    CHECK_THAT(s.message(), Catch::Contains("keys") && Catch::Contains("tokens=" + std::to_string(tokens)));
+  }
+  const TensorView<const float> fits{buf.data(), 1, 8, 8, 64, 8};
+  CHECK(detail::check_view(fits, "keys").is_ok());
+}
+
+TEST_CASE("a layer claiming 2^58 rows fails validation and the unchecked run throws kvc::error (no bad_alloc)",
+          "[hardening][view]") {
+  std::vector<float> k(64, 0.5f), v(64, 0.5f), q(64, 0.25f);
+  const Index n = Index(1) << 58;
+  LayerView<float> layer{{k.data(), 1, n, 64, 0, 64}, {v.data(), 1, n, 64, 0, 64},
+                         make_head_major<const float>(q.data(), 1, 1, 64)};
+  SnapKV::Arguments unchecked;
+  unchecked.check_finite = false;
+  CHECK_THAT(SnapKV{}.validate(layer, Budget::tokens(4)).message(), Catch::Contains("tokens=" + std::to_string(n)));
+  CHECK_THAT(error_of([&] { SnapKV(unchecked).run(layer, Budget::tokens(4)); }), Catch::Contains("keys"));
+  CHECK_THAT(error_of([&] { SnapKV{}.run(layer, Budget::tokens(4)); }), Catch::Contains("keys"));
+  CHECK_THAT(error_of([&] { StreamingLLM(StreamingLLM::Arguments{}).run(layer, Budget::tokens(4)); }),
+             Catch::Contains("keys"));
+
+  // Plausible views whose window workspace (G·W, n) cannot be counted in an Index.
+  const Index big = Index(1) << 40;
+  LayerView<float> wide{{k.data(), 1, big, 1, big, 1}, {v.data(), 1, big, 1, big, 1}, {q.data(), 1, big, 1, big, 1}};
+  CHECK_THAT(SnapKV{}.validate(wide, Budget::tokens(4)).message(), Catch::Contains("window attention"));
+}
+

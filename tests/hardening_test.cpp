@@ -65,6 +65,66 @@ bool values_unchanged(const Owned<T>& layer, const HeadResult<Real>& h, Index g)
 
 }  // namespace
 
+// ---- GRKV on a half cache: no value beyond half's range reaches compact_into ------------------
+
+TEST_CASE("overflow_limit is the first magnitude that converts to Inf", "[hardening][compact]") {
+  const auto check = [](auto limit, auto convert) {
+    using R = decltype(limit);
+    const R below = std::nextafter(limit, R(0));
+    CHECK(std::isinf(convert(limit)));
+    CHECK(std::isinf(convert(-limit)));
+    CHECK(std::isfinite(convert(below)));
+    CHECK(std::isfinite(convert(-below)));
+  };
+  CHECK(detail::overflow_limit<Eigen::half, float>() == 65520.0f);
+  check(detail::overflow_limit<Eigen::half, float>(), [](float x) { return static_cast<float>(Eigen::half(x)); });
+  check(detail::overflow_limit<Eigen::half, double>(),
+        [](double x) { return static_cast<float>(from_real<Eigen::half>(x)); });
+  check(detail::overflow_limit<Eigen::bfloat16, float>(),
+        [](float x) { return static_cast<float>(Eigen::bfloat16(x)); });
+  check(detail::overflow_limit<float, double>(), [](double x) { return static_cast<float>(x); });
+  CHECK(std::isinf(detail::overflow_limit<float, float>()));
+  CHECK(std::isinf(detail::overflow_limit<double, double>()));
+}
+
+TEST_CASE("compact_into fails before writing anything when an entry does not fit the destination type",
+          "[hardening][compact]") {
+  const Owned<float> layer(254, 2, 2, 24, 8, 8, 1.0);
+  const auto base = SnapKV{}.run(layer.view(), Budget::tokens(10));
+  const auto attempt = [&](auto poison, auto& k, auto& v, auto fill) {
+    auto r = base;
+    r.heads[1].values(9, 7) = poison;  // the last entry written: everything before it would be written first
+    for (auto& x : k) x = fill;
+    for (auto& x : v) x = fill;
+    const std::string message = error_of([&] {
+      compact_into(r, make_head_major(k.data(), 2, 24, 8), make_head_major(v.data(), 2, 24, 8));
+    });
+    bool untouched = true;
+    for (auto& x : k) untouched &= x == fill;
+    for (auto& x : v) untouched &= x == fill;
+    CHECK(untouched == !message.empty());
+    return message;
+  };
+  std::vector<Eigen::half> kh(2 * 24 * 8), vh(2 * 24 * 8);
+  CHECK_THAT(attempt(70000.0f, kh, vh, Eigen::half(-3.0f)), Catch::Contains("values[1][9][7] = 70000"));
+  CHECK_THAT(attempt(65520.0f, kh, vh, Eigen::half(-3.0f)), Catch::Contains("values[1][9][7]"));
+  CHECK(attempt(65519.0f, kh, vh, Eigen::half(-3.0f)).empty());  // rounds to 65504
+  std::vector<float> kf(2 * 24 * 8), vf(2 * 24 * 8);
+  CHECK_THAT(attempt(std::numeric_limits<float>::infinity(), kf, vf, -3.0f), Catch::Contains("values[1][9][7] = inf"));
+  CHECK_THAT(attempt(std::numeric_limits<float>::quiet_NaN(), kf, vf, -3.0f), Catch::Contains("values[1][9][7]"));
+  // A double result into a float cache.
+  LayerResult<double> rd;
+  rd.heads.resize(1);
+  rd.heads[0].positions = {0};
+  rd.heads[0].keys = RowMatrix<double>::Zero(1, 2);
+  rd.heads[0].values = RowMatrix<double>::Constant(1, 2, 1e39);
+  rd.heads[0].bias = Vector<double>::Zero(1);
+  std::vector<float> k1(2, 5.f), v1(2, 5.f);
+  CHECK_THAT(error_of([&] { compact_into(rd, make_head_major(k1.data(), 1, 1, 2), make_head_major(v1.data(), 1, 1, 2)); }),
+             Catch::Contains("values[0][0][0] = 1e+39"));
+  CHECK((k1 == std::vector<float>{5.f, 5.f} && v1 == std::vector<float>{5.f, 5.f}));
+}
+
 // ---- views: overflow-checked aliasing test and byte span ----------------------------------
 
 TEST_CASE("views whose strides or extents overflow are rejected", "[hardening][view]") {
@@ -105,5 +165,30 @@ TEST_CASE("a layer claiming 2^58 rows fails validation and the unchecked run thr
   const Index big = Index(1) << 40;
   LayerView<float> wide{{k.data(), 1, big, 1, big, 1}, {v.data(), 1, big, 1, big, 1}, {q.data(), 1, big, 1, big, 1}};
   CHECK_THAT(SnapKV{}.validate(wide, Budget::tokens(4)).message(), Catch::Contains("window attention"));
+}
+
+// ---- compaction destinations ---------------------------------------------------------------
+
+TEST_CASE("compact_into rejects keys and values that share memory and accepts interleaved ones", "[hardening][compact]") {
+  const Owned<float> layer(260, 2, 2, 24, 8, 8, 1.0);
+  const auto r = SelKV{}.run(layer.view(), Budget::tokens(10));
+  std::vector<float> kv(2 * 24 * 8, -7.f);
+  const auto view = make_head_major(kv.data(), 2, 24, 8);
+  CHECK_THAT(error_of([&] { compact_into(r, view, view); }), Catch::Contains("share memory"));
+  // Offset by half a row: the rows overlap partially.
+  const TensorView<float> shifted{kv.data() + 4, 2, 20, 8, 24 * 8, 8};
+  CHECK_THAT(error_of([&] { compact_into(r, view, shifted); }), Catch::Contains("share memory"));
+  for (float x : kv) CHECK(x == -7.f);
+
+  // [m][2][H][d]: keys and values interleaved token by token, disjoint rows in one buffer.
+  std::vector<float> both(10 * 2 * 2 * 8, -7.f);
+  const TensorView<float> keys{both.data(), 2, 10, 8, 8, 2 * 2 * 8}, values{both.data() + 2 * 8, 2, 10, 8, 8, 2 * 2 * 8};
+  REQUIRE_NOTHROW(compact_into(r, keys, values));
+  for (Index g = 0; g < 2; ++g)
+    for (Index i = 0; i < 10; ++i)
+      for (Index c = 0; c < 8; ++c) {
+        CHECK(keys.row(g, i)[c] == r.heads[g].keys(i, c));
+        CHECK(values.row(g, i)[c] == r.heads[g].values(i, c));
+      }
 }
 

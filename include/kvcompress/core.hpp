@@ -148,6 +148,57 @@ inline T from_real(Real x) {
   }
 }
 
+namespace detail {
+
+/// The smallest positive Real that from_real<T> turns into ±Inf (found once by bisection over the
+/// bit patterns of positive Reals, whose order is their values' order), or +Inf when every finite
+/// Real converts to a finite T. |x| < limit ⇔ x converts to a finite T (false for NaN too).
+template <class T, class Real>
+Real overflow_limit() {
+  static const Real limit = [] {
+    using Bits = std::conditional_t<sizeof(Real) == 8, std::uint64_t, std::uint32_t>;
+    static_assert(sizeof(Real) == sizeof(Bits), "Real must be float or double");
+    const auto finite_as_t = [](Bits b) {
+      Real x;
+      std::memcpy(&x, &b, sizeof x);
+      return std::isfinite(to_real<double>(from_real<T>(x)));
+    };
+    const Real top = std::numeric_limits<Real>::max();
+    Bits lo, hi;  // finite_as_t(lo), !finite_as_t(hi)
+    std::memcpy(&hi, &top, sizeof hi);
+    if (finite_as_t(hi)) return std::numeric_limits<Real>::infinity();
+    const Real one = 1;
+    std::memcpy(&lo, &one, sizeof lo);
+    while (hi - lo > 1) {
+      const Bits mid = lo + (hi - lo) / 2;
+      (finite_as_t(mid) ? lo : hi) = mid;
+    }
+    Real x;
+    std::memcpy(&x, &hi, sizeof x);
+    return x;
+  }();
+  return limit;
+}
+
+/// The first entry of M (rows, cols) that does not convert to a finite T: its row and column, or
+/// false when every entry does. One vectorised pass; the search runs on the error path only.
+template <class T, class Derived>
+bool find_unrepresentable(const Eigen::MatrixBase<Derived>& M, Index& row, Index& col) {
+  using Real = typename Derived::Scalar;
+  const Real limit = overflow_limit<T, Real>();
+  if ((M.array().abs() < limit).all()) return false;
+  for (Index i = 0; i < M.rows(); ++i)
+    for (Index c = 0; c < M.cols(); ++c)
+      if (!(std::abs(M(i, c)) < limit)) {
+        row = i;
+        col = c;
+        return true;
+      }
+  return false;
+}
+
+}  // namespace detail
+
 // Dense row-major helpers used throughout (row = token or query, column = feature).
 template <class Real>
 using RowMatrix = Eigen::Matrix<Real, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

@@ -192,3 +192,27 @@ TEST_CASE("compact_into rejects keys and values that share memory and accepts in
       }
 }
 
+TEST_CASE("compact_bias_into checks the pointer and the stride and the extent before writing", "[hardening][compact]") {
+  const Owned<float> layer(261, 2, 2, 40, 8, 8, 1.0);
+  const auto r = SelKV{}.run(layer.view(), Budget::tokens(30));
+  std::vector<float> bias(2 * 40, 9.f);
+  CHECK_THAT(error_of([&] { compact_bias_into(r, static_cast<float*>(nullptr), 40, 40); }), Catch::Contains("null"));
+  CHECK_THAT(error_of([&] { compact_bias_into(r, bias.data(), 1, 30); }),
+             Catch::Contains("head_stride 1 < capacity 30"));
+  CHECK_THAT(error_of([&] { compact_bias_into(r, bias.data(), -40, 40); }), Catch::Contains("head_stride must be >= 0, got -40"));
+  CHECK_THAT(error_of([&] { compact_bias_into(r, bias.data(), std::numeric_limits<Index>::max(), 40); }),
+             Catch::Contains("span more than"));
+  for (float x : bias) CHECK(x == 9.f);
+  // Half: a bias beyond its range is an error, nothing written.
+  auto r2 = r;
+  r2.heads[1].bias[29] = 1e6f;
+  std::vector<Eigen::half> hb(2 * 40, Eigen::half(9.f));
+  CHECK_THAT(error_of([&] { compact_bias_into(r2, hb.data(), 40, 40); }), Catch::Contains("bias[1][29] = 1e+06"));
+  for (const auto& x : hb) CHECK(static_cast<float>(x) == 9.f);
+  // One head: any stride, the row fits.
+  LayerResult<float> one = r;
+  one.heads.resize(1);
+  std::vector<float> row(30, 9.f);
+  compact_bias_into(one, row.data(), 0, 30);
+  for (Index i = 0; i < 30; ++i) CHECK(row[static_cast<std::size_t>(i)] == one.heads[0].bias[i]);
+}

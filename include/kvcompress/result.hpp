@@ -152,14 +152,40 @@ void compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out
 }
 
 /// Writes the bias of head g into bias_out[g * head_stride + i] for i < m_g (e.g. an engine's
-/// additive attention-mask row). Throws kvc::error when a row does not fit `capacity`.
+/// additive attention-mask row), converted to B (float, double, Eigen::half or Eigen::bfloat16).
+/// Throws kvc::error, and writes nothing, when a row does not fit `capacity`, `bias_out` is null,
+/// `head_stride` is negative or below `capacity` (rows would overlap; any value with one head), the
+/// extent overflows, or a bias does not convert to a finite B.
 template <class Real, class B>
 void compact_bias_into(const LayerResult<Real>& result, B* bias_out, Index head_stride, Index capacity) {
+  static_assert(is_element_type_v<B>, "compact_bias_into writes float, double, Eigen::half or Eigen::bfloat16");
+  using detail::concat;
+  const Index H = static_cast<Index>(result.heads.size());
+  if (capacity < 0) throw error(concat("compact_bias_into: capacity must be >= 0, got ", capacity));
   if (result.max_size() > capacity)
-    throw error(detail::concat("compact_bias_into: capacity ", capacity, " < ", result.max_size()));
+    throw error(concat("compact_bias_into: capacity ", capacity, " < ", result.max_size()));
+  if (H == 0 || result.max_size() == 0) return;
+  if (bias_out == nullptr) throw error("compact_bias_into: bias_out is null");
+  if (head_stride < 0) throw error(concat("compact_bias_into: head_stride must be >= 0, got ", head_stride));
+  if (H > 1 && head_stride < capacity)
+    throw error(concat("compact_bias_into: head_stride ", head_stride, " < capacity ", capacity,
+                       ": the rows of ", H, " heads would overlap"));
+  Index span = 0, bytes = 0;
+  if (!detail::checked_mul(H - 1, head_stride, span) || !detail::checked_add(span, capacity, span) ||
+      !detail::checked_mul(span, static_cast<Index>(sizeof(B)), bytes) || bytes > detail::kMaxViewBytes ||
+      reinterpret_cast<std::uintptr_t>(bias_out) > std::numeric_limits<std::uintptr_t>::max() - static_cast<std::uintptr_t>(bytes))
+    throw error(concat("compact_bias_into: ", H, " heads with head_stride=", head_stride, " and capacity=",
+                       capacity, " span more than ", detail::kMaxViewBytes, " bytes"));
+  for (Index g = 0; g < H; ++g) {
+    const auto& bias = result.heads[static_cast<std::size_t>(g)].bias;
+    Index i = 0, c = 0;
+    if (detail::find_unrepresentable<B>(bias.transpose(), i, c))
+      throw error(concat("compact_bias_into: bias[", g, "][", c, "] = ", bias[c],
+                         " does not convert to a finite destination element; nothing was written"));
+  }
   for (std::size_t g = 0; g < result.heads.size(); ++g)
     for (Index i = 0; i < result.heads[g].size(); ++i)
-      bias_out[static_cast<Index>(g) * head_stride + i] = static_cast<B>(result.heads[g].bias[i]);
+      bias_out[static_cast<Index>(g) * head_stride + i] = from_real<B>(result.heads[g].bias[i]);
 }
 
 }  // namespace kvc

@@ -65,7 +65,70 @@ bool values_unchanged(const Owned<T>& layer, const HeadResult<Real>& h, Index g)
 
 }  // namespace
 
+// ---- GRKV: the value step's solution is checked before it is cast and written ------------------
+
+TEST_CASE("GRKV on values near the float range: finite result and the value step rejected per head", "[hardening][ridge]") {
+  INFO("seed " << kvc::test::test_seed());
+  for (Index H : {Index(1), Index(2)}) {
+    INFO("KV heads " << H);
+    const Owned<float> layer(251, H, H, 40, 8, 8, 1e37);
+    const auto snap = SnapKVGRKV{}.run(layer.view(), Budget::tokens(12));
+    const auto stream = StreamingLLMGRKV{}.run(layer.view(), Budget::tokens(12));
+    CHECK(all_finite(snap));
+    CHECK(all_finite(stream));
+    Index rejected = 0;
+    for (const auto* r : {&snap, &stream}) {
+      for (Index g = 0; g < H; ++g) {
+        const auto& h = r->heads[static_cast<std::size_t>(g)];
+        if (h.diagnostics.value_step_rejected) {
+          ++rejected;
+          CHECK(values_unchanged(layer, h, g));
+        }
+        CHECK(std::isfinite(h.diagnostics.window_error_after));
+      }
+    }
+    CHECK(rejected >= 1);
+  }
+  // Ordinary values: the value step runs and is not reported.
+  const Owned<float> plain(252, 2, 2, 40, 8, 8, 1.0);
+  for (const auto& h : SnapKVGRKV{}.run(plain.view(), Budget::tokens(12)).heads)
+    CHECK_FALSE(h.diagnostics.value_step_rejected);
+}
+
+TEST_CASE("ridge value steps reject a non-finite or out-of-range solution and keep V0", "[hardening][ridge]") {
+  using M = RowMatrix<float>;
+  M X(2, 3), V0(3, 2), Y(2, 2), V;
+  X << 0.5f, 0.25f, 0.25f, 0.2f, 0.3f, 0.5f;
+  V0 << 1, 2, 3, 4, 5, 6;
+  Y << 3e38f, -3e38f, 3e38f, 3e38f;  // drives the free rows past FLT_MAX
+  const std::vector<Index> free{1, 2};
+  CHECK_FALSE(ridge::value_step_dual(X, V0, Y, free, 1e-2, V));
+  CHECK(V == V0);
+  CHECK_FALSE(ridge::value_step_primal(X, V0, Y, free, 1e-2, V));
+  CHECK(V == V0);
+  Y << 3, 4, 4, 5;
+  CHECK(ridge::value_step_dual(X, V0, Y, free, 1e-2, V));
+  CHECK_FALSE(ridge::value_step_dual(X, V0, Y, free, 1e-2, V, 1.5f));  // |new value| must stay below the limit
+  CHECK(V == V0);
+}
+
 // ---- GRKV on a half cache: no value beyond half's range reaches compact_into ------------------
+
+TEST_CASE("GRKV on a half cache never writes Inf into the caller's half cache", "[hardening][ridge][compact]") {
+  INFO("seed " << kvc::test::test_seed());
+  Owned<Eigen::half> layer(253, 1, 1, 64, 8, 16, 60000.0, /*signs=*/true);
+  const auto r = SnapKVGRKV{}.run(layer.view(), Budget::tokens(16));
+  const float half_limit = detail::overflow_limit<Eigen::half, float>();
+  for (const auto& h : r.heads) {
+    CHECK((h.values.array().abs() < half_limit).all());
+    CHECK((h.keys.array().abs() < half_limit).all());
+    CHECK(h.diagnostics.value_step_rejected);
+  }
+  std::vector<Eigen::half> kd = layer.k, vd = layer.v;
+  compact_into(r, make_head_major(kd.data(), 1, 64, 16), make_head_major(vd.data(), 1, 64, 16));
+  for (const auto& x : vd) CHECK(std::isfinite(static_cast<float>(x)));
+  for (const auto& x : kd) CHECK(std::isfinite(static_cast<float>(x)));
+}
 
 TEST_CASE("overflow_limit is the first magnitude that converts to Inf", "[hardening][compact]") {
   const auto check = [](auto limit, auto convert) {

@@ -230,6 +230,75 @@ TEST_CASE("a layer claiming 2^58 rows fails validation and the unchecked run thr
   CHECK_THAT(SnapKV{}.validate(wide, Budget::tokens(4)).message(), Catch::Contains("window attention"));
 }
 
+// ---- options: overflowing buckets, unbounded alpha, enums out of range ----------------------
+
+TEST_CASE("router.bucket near INT64_MAX routes like one bucket of n tokens", "[hardening][router]") {
+  const Owned<float> layer(255, 2, 4, 64, 8, 8, 1.0);
+  SelKV::Arguments huge, whole;
+  huge.router.bucket = std::numeric_limits<Index>::max();
+  whole.router.bucket = 64;
+  REQUIRE(SelKV(huge).validate(layer.view(), Budget::tokens(20)).is_ok());
+  const auto a = SelKV(huge).run(layer.view(), Budget::tokens(20));
+  const auto b = SelKV(whole).run(layer.view(), Budget::tokens(20));
+  for (std::size_t g = 0; g < 2; ++g) {
+    CHECK(a.heads[g].positions == b.heads[g].positions);
+    CHECK(a.heads[g].values == b.heads[g].values);
+    CHECK(a.heads[g].bias == b.heads[g].bias);
+  }
+}
+
+TEST_CASE("compensator.alpha is bounded so that the bias stays finite", "[hardening][compensator]") {
+  const Owned<float> layer(256, 2, 2, 48, 8, 8, 1.0);
+  SelKV::Arguments args;
+  args.compensator.alpha = 1e300;
+  CHECK_THAT(SelKV(args).validate(layer.view(), Budget::tokens(12)).message(),
+             Catch::Contains("compensator.alpha") && Catch::Contains("1e+300"));
+  CHECK_THROWS_AS(SelKV(args).run(layer.view(), Budget::tokens(12)), kvc::error);
+  args.compensator.alpha = -AttentionRatio::kMaxAlpha;
+  const auto r = SelKV(args).run(layer.view(), Budget::tokens(12));
+  CHECK(all_finite(r));
+  bool some = false;
+  for (const auto& h : r.heads) some |= (h.bias.array() != 0.0f).any();
+  CHECK(some);
+}
+
+TEST_CASE("every enum option is range-checked", "[hardening][options]") {
+  const Owned<float> layer(259, 2, 2, 32, 8, 8, 1.0);
+  const auto message = [&](const auto& pipeline) { return pipeline.validate(layer.view(), Budget::tokens(8)).message(); };
+  {
+    SnapKV::Arguments a;
+    a.reposition.enabled = true;
+    a.reposition.layout = static_cast<RopeLayout>(9);
+    CHECK_THAT(message(SnapKV(a)), Catch::Contains("rope.layout") && Catch::Contains("9"));
+    CHECK_THROWS_AS(SnapKV(a).run(layer.view(), Budget::tokens(8)), kvc::error);
+  }
+  {
+    SnapKV::Arguments a;
+    a.selector.pooling = static_cast<Pooling>(7);
+    CHECK_THAT(message(SnapKV(a)), Catch::Contains("selector.pooling") && Catch::Contains("7"));
+  }
+  {
+    SnapKV::Arguments a;
+    a.selector.granularity = static_cast<Granularity>(5);
+    CHECK_THAT(message(SnapKV(a)), Catch::Contains("selector.granularity") && Catch::Contains("5"));
+  }
+  {
+    SnapKV::Arguments a;
+    a.attention.product = static_cast<WindowProduct>(4);
+    CHECK_THAT(message(SnapKV(a)), Catch::Contains("attention.product") && Catch::Contains("4"));
+  }
+  {
+    SelKV::Arguments a;
+    a.router.statistic = static_cast<RouteStatistic>(6);
+    CHECK_THAT(message(SelKV(a)), Catch::Contains("router.statistic") && Catch::Contains("6"));
+  }
+  {
+    SnapKVGRKV::Arguments a;
+    a.merger.order = static_cast<RidgeMerge::Arguments::Order>(3);
+    CHECK_THAT(message(SnapKVGRKV(a)), Catch::Contains("order") && Catch::Contains("3"));
+  }
+}
+
 // ---- compaction destinations ---------------------------------------------------------------
 
 TEST_CASE("compact_into rejects keys and values that share memory and accepts interleaved ones", "[hardening][compact]") {

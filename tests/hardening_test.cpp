@@ -262,6 +262,34 @@ TEST_CASE("compensator.alpha is bounded so that the bias stays finite", "[harden
   CHECK(some);
 }
 
+namespace {
+/// A compensator whose bias overflows: the pipeline must not pass it on.
+struct InfiniteBias {
+  struct Arguments {};
+  Arguments args;
+  Status validate() const { return Status::ok(); }
+  template <class T>
+  void compensate(const HeadContext<T>& ctx, const Routing&, const MergeOutput<compute_t<T>>&,
+                  Vector<compute_t<T>>& bias) const {
+    bias.setConstant(static_cast<Index>(ctx.kept().size()), std::numeric_limits<compute_t<T>>::infinity());
+  }
+};
+}  // namespace
+
+TEST_CASE("a non-finite bias or repositioned key from finite input is an error", "[hardening][pipeline]") {
+  const Owned<float> layer(257, 2, 2, 32, 8, 8, 1.0);
+  using P = Pipeline<AttentionMass, TopK<0, 4, 0>, NoRoute, Drop, InfiniteBias>;
+  CHECK_THAT(error_of([&] { P{}.run(layer.view(), Budget::tokens(8)); }), Catch::Contains("bias of KV head 0"));
+
+  // Keys finite but so large that rotating a pair overflows float.
+  Owned<float> big(258, 1, 1, 32, 8, 8, 1.0);
+  for (float& x : big.k) x = 3.3e38f;
+  StreamingLLM::Arguments rope;
+  rope.reposition.enabled = true;
+  CHECK_THAT(error_of([&] { StreamingLLM(rope).run(big.view(), Budget::tokens(8)); }),
+             Catch::Contains("repositioned key of KV head 0"));
+}
+
 TEST_CASE("every enum option is range-checked", "[hardening][options]") {
   const Owned<float> layer(259, 2, 2, 32, 8, 8, 1.0);
   const auto message = [&](const auto& pipeline) { return pipeline.validate(layer.view(), Budget::tokens(8)).message(); };

@@ -535,9 +535,12 @@ class Pipeline {
                                        "write every gate on every path) or computed it from sums that overflow"));
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
-      if (args_.check_finite && !out.bias.allFinite())  // O(m_g); finite input must give a finite bias
-        throw error(detail::concat("a bias of KV head ", g, " is not finite although the input is: the compensator's "
-                                   "arithmetic overflows"));
+      if (args_.check_finite && !out.bias.allFinite()) {  // O(m_g); finite input must give a finite bias
+        Index i = 0;
+        while (std::isfinite(out.bias[i])) ++i;
+        throw error(detail::concat("bias[", i, "] = ", out.bias[i], " of KV head ", g, " is not finite although the ",
+                                   "input is: the compensator's arithmetic overflows"));
+      }
 
       out.positions = sel.kept[g];
       out.diagnostics = merged.diagnostics;
@@ -561,8 +564,10 @@ class Pipeline {
         for (Index i = 0; i < h.size(); ++i)
           rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
         // A rotation grows a pair's larger entry by up to √2: keys near the type's largest value overflow.
-        if (args_.check_finite && !h.keys.allFinite())
-          throw error(detail::concat("a repositioned key of KV head ", g, " is not finite although the input is: ",
+        Index i = 0, c = 0;
+        if (args_.check_finite && detail::find_unrepresentable<Real>(h.keys, i, c))
+          throw error(detail::concat("repositioned key [", g, "][", i, "][", c, "] = ", h.keys(i, c), " (position ",
+                                     h.positions[static_cast<std::size_t>(i)], ") is not finite although the input is: ",
                                      "rotating keys this large overflows the arithmetic type"));
       }
       result.next_position = result.max_size();

@@ -533,6 +533,12 @@ class Pipeline {
                                        "write every gate on every path) or computed it from sums that overflow"));
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
+      if (args_.check_finite && !out.bias.allFinite()) {  // O(m_g); finite input must give a finite bias
+        Index i = 0;
+        while (std::isfinite(out.bias[i])) ++i;
+        throw error(detail::concat("bias[", i, "] = ", out.bias[i], " of KV head ", g, " is not finite although the ",
+                                   "input is: the compensator's arithmetic overflows"));
+      }
 
       out.positions = sel.kept[g];
       out.diagnostics = merged.diagnostics;
@@ -551,9 +557,17 @@ class Pipeline {
     // 5. Optional RoPE repositioning to contiguous positions 0..m−1 (SPEC §10).
     result.next_position = n;
     if (args_.reposition.enabled) {
-      for (auto& h : result.heads)
+      for (std::size_t g = 0; g < result.heads.size(); ++g) {
+        auto& h = result.heads[g];
         for (Index i = 0; i < h.size(); ++i)
           rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
+        // A rotation grows a pair's larger entry by up to √2: keys near the type's largest value overflow.
+        Index i = 0, c = 0;
+        if (args_.check_finite && detail::find_unrepresentable<Real>(h.keys, i, c))
+          throw error(detail::concat("repositioned key [", g, "][", i, "][", c, "] = ", h.keys(i, c), " (position ",
+                                     h.positions[static_cast<std::size_t>(i)], ") is not finite although the input is: ",
+                                     "rotating keys this large overflows the arithmetic type"));
+      }
       result.next_position = result.max_size();
     }
   }

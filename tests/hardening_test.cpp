@@ -3,6 +3,9 @@
 // entry and every destination before it writes anything.
 #include <catch2/catch.hpp>
 
+#include <kvcompress/presets.hpp>
+#include <kvcompress/result.hpp>
+
 #include "support/bridge.hpp"
 #include "support/random.hpp"
 #include "support/test_utils.hpp"

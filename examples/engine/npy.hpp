@@ -237,6 +237,13 @@ inline void npy_write(const std::string& path, const std::vector<std::int64_t>& 
   if (!out) throw npy_error(path, "write failed");
 }
 
+/// "(2, 3)" for messages.
+inline std::string npy_shape_string(const std::vector<std::int64_t>& shape) {
+  std::string out = "(";
+  for (std::size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
+  return out + (shape.size() == 1 ? ",)" : ")");
+}
+
 inline std::size_t npy_count(const std::string& path, const std::vector<std::int64_t>& shape) {
   std::uint64_t n = 1;
   for (const std::int64_t s : shape) {
@@ -342,12 +349,14 @@ inline NpyArray read_npy(const std::string& path) {
   arr.shape = shape;
   const std::size_t count = detail::npy_count(path, shape);
   const std::size_t item = npy_item_size(arr.dtype);
-  const std::uint64_t data_bytes = static_cast<std::uint64_t>(count) * item;
   const std::uint64_t present = size - at;
-  if (present < data_bytes) {
-    throw detail::npy_error(path, "truncated data: shape needs " + std::to_string(data_bytes) + " bytes, " +
-                                      std::to_string(present) + " present");
+  // count <= 2^62 but count * item may wrap: compare by division before multiplying.
+  if (static_cast<std::uint64_t>(count) > present / item) {
+    throw detail::npy_error(path, "truncated data: shape " + detail::npy_shape_string(shape) + " of '" + descr +
+                                      "' needs " + std::to_string(count) + " x " + std::to_string(item) +
+                                      " bytes, " + std::to_string(present) + " present");
   }
+  const std::uint64_t data_bytes = static_cast<std::uint64_t>(count) * item;  // <= present: no wrap
   if (present > data_bytes) {
     throw detail::npy_error(path, std::to_string(present - data_bytes) + " trailing bytes after the data");
   }

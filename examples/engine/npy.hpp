@@ -259,6 +259,8 @@ inline std::size_t npy_count(const std::string& path, const std::vector<std::int
 /// Reads an .npy file. Throws std::runtime_error naming the file and the reason: cannot open, wrong
 /// magic, unsupported version, header parse error, Fortran order, big-endian or unsupported dtype
 /// (named), truncated data, or trailing bytes after the data.
+inline NpyArray parse_npy(const std::vector<unsigned char>& bytes, const std::string& path);
+
 inline NpyArray read_npy(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) throw detail::npy_error(path, "does not exist or is not a regular file");
@@ -271,6 +273,12 @@ inline NpyArray read_npy(const std::string& path) {
     in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size));
     if (!in) throw detail::npy_error(path, "read error");
   }
+  return parse_npy(bytes, path);
+}
+
+/// Parses the bytes of an .npy file (the checks of read_npy; `path` names the source in messages).
+inline NpyArray parse_npy(const std::vector<unsigned char>& bytes, const std::string& path) {
+  const std::uint64_t size = bytes.size();
   static const unsigned char kMagic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
   if (size < 10 || std::memcmp(bytes.data(), kMagic, 6) != 0) {
     throw detail::npy_error(path, "wrong magic (not an .npy file)");

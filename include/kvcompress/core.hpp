@@ -148,6 +148,57 @@ inline T from_real(Real x) {
   }
 }
 
+namespace detail {
+
+/// The smallest positive Real that from_real<T> turns into ±Inf (found once by bisection over the
+/// bit patterns of positive Reals, whose order is their values' order), or +Inf when every finite
+/// Real converts to a finite T. |x| < limit ⇔ x converts to a finite T (false for NaN too).
+template <class T, class Real>
+Real overflow_limit() {
+  static const Real limit = [] {
+    using Bits = std::conditional_t<sizeof(Real) == 8, std::uint64_t, std::uint32_t>;
+    static_assert(sizeof(Real) == sizeof(Bits), "Real must be float or double");
+    const auto finite_as_t = [](Bits b) {
+      Real x;
+      std::memcpy(&x, &b, sizeof x);
+      return std::isfinite(to_real<double>(from_real<T>(x)));
+    };
+    const Real top = std::numeric_limits<Real>::max();
+    Bits lo, hi;  // finite_as_t(lo), !finite_as_t(hi)
+    std::memcpy(&hi, &top, sizeof hi);
+    if (finite_as_t(hi)) return std::numeric_limits<Real>::infinity();
+    const Real one = 1;
+    std::memcpy(&lo, &one, sizeof lo);
+    while (hi - lo > 1) {
+      const Bits mid = lo + (hi - lo) / 2;
+      (finite_as_t(mid) ? lo : hi) = mid;
+    }
+    Real x;
+    std::memcpy(&x, &hi, sizeof x);
+    return x;
+  }();
+  return limit;
+}
+
+/// The first entry of M (rows, cols) that does not convert to a finite T: its row and column, or
+/// false when every entry does. One vectorised pass; the search runs on the error path only.
+template <class T, class Derived>
+bool find_unrepresentable(const Eigen::MatrixBase<Derived>& M, Index& row, Index& col) {
+  using Real = typename Derived::Scalar;
+  const Real limit = overflow_limit<T, Real>();
+  if ((M.array().abs() < limit).all()) return false;
+  for (Index i = 0; i < M.rows(); ++i)
+    for (Index c = 0; c < M.cols(); ++c)
+      if (!(std::abs(M(i, c)) < limit)) {
+        row = i;
+        col = c;
+        return true;
+      }
+  return false;
+}
+
+}  // namespace detail
+
 // Dense row-major helpers used throughout (row = token or query, column = feature).
 template <class Real>
 using RowMatrix = Eigen::Matrix<Real, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -230,8 +281,56 @@ struct LayerView {
 
 namespace detail {
 
+/// out = a * b, or false when the product overflows Index (out is then unspecified).
+inline bool checked_mul(Index a, Index b, Index& out) {
+#if defined(__GNUC__) || defined(__clang__)
+  return !__builtin_mul_overflow(a, b, &out);
+#else
+  if (a != 0 && b != 0) {
+    const Index hi = std::numeric_limits<Index>::max(), lo = std::numeric_limits<Index>::min();
+    if (a > 0 ? (b > 0 ? a > hi / b : b < lo / a) : (b > 0 ? a < lo / b : a < hi / b)) return false;
+  }
+  out = a * b;
+  return true;
+#endif
+}
+
+/// out = a + b, or false when the sum overflows Index (out is then unspecified).
+inline bool checked_add(Index a, Index b, Index& out) {
+#if defined(__GNUC__) || defined(__clang__)
+  return !__builtin_add_overflow(a, b, &out);
+#else
+  if ((b > 0 && a > std::numeric_limits<Index>::max() - b) || (b < 0 && a < std::numeric_limits<Index>::min() - b))
+    return false;
+  out = a + b;
+  return true;
+#endif
+}
+
+/// The most bytes a view may span. No 64-bit platform gives a process more than 2^57 bytes of
+/// address space (x86-64 with 5-level paging; AArch64 has at most 52 bits), so a view claiming more
+/// describes no memory; elsewhere the limit is PTRDIFF_MAX.
+inline constexpr Index kMaxViewBytes =
+    sizeof(void*) >= 8 ? (Index(1) << (sizeof(void*) >= 8 ? 57 : 0)) : std::numeric_limits<Index>::max();
+
+/// Bytes from the first to one past the last element of a view with non-negative strides and
+/// positive extents: ((heads−1)·head_stride + (tokens−1)·token_stride + dim)·sizeof(T), overflow
+/// checked; false when it overflows or exceeds kMaxViewBytes, or when data + span wraps the address
+/// space.
+template <class T>
+bool view_span_bytes(const TensorView<T>& v, Index& bytes) {
+  Index a = 0, b = 0, s = 0;
+  if (!checked_mul(v.heads - 1, v.head_stride, a) || !checked_mul(v.tokens - 1, v.token_stride, b) ||
+      !checked_add(a, b, s) || !checked_add(s, v.dim, s) ||
+      !checked_mul(s, static_cast<Index>(sizeof(std::remove_const_t<T>)), bytes) || bytes > kMaxViewBytes)
+    return false;
+  const auto start = reinterpret_cast<std::uintptr_t>(v.data);
+  return start <= std::numeric_limits<std::uintptr_t>::max() - static_cast<std::uintptr_t>(bytes);
+}
+
 /// Rows of a view must not overlap: with the smaller stride s1 over c1 entries and the larger s2,
 /// a view is alias-free when s1 >= dim and s2 >= s1 * c1 (dimensions of extent 1 are ignored).
+/// When s1 * c1 overflows it exceeds s2: the rows alias.
 template <class T>
 bool rows_disjoint(const TensorView<T>& v) {
   if (v.head_stride < 0 || v.token_stride < 0) return false;
@@ -252,7 +351,8 @@ bool rows_disjoint(const TensorView<T>& v) {
     std::swap(as[0], as[1]);
     std::swap(ac[0], ac[1]);
   }
-  return as[0] >= v.dim && as[1] >= as[0] * ac[0];
+  Index block = 0;
+  return as[0] >= v.dim && checked_mul(as[0], ac[0], block) && as[1] >= block;
 }
 
 template <class T>
@@ -268,6 +368,12 @@ Status check_view(const TensorView<T>& v, const char* name) {
                         concat(name, ": strides alias (head_stride=", v.head_stride,
                                ", token_stride=", v.token_stride, ", dim=", v.dim,
                                "): rows would overlap"));
+  Index bytes = 0;
+  if (!view_span_bytes(v, bytes))
+    return Status::fail(Status::Code::invalid_shape,
+                        concat(name, ": [heads=", v.heads, "][tokens=", v.tokens, "][dim=", v.dim,
+                               "] with head_stride=", v.head_stride, ", token_stride=", v.token_stride,
+                               " spans more than ", kMaxViewBytes, " bytes or past the end of the address space"));
   return Status::ok();
 }
 
@@ -356,6 +462,13 @@ Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool chec
     return Status::fail(Status::Code::invalid_shape,
                         concat("query heads (", layer.queries.heads,
                                ") must be a multiple of KV heads (", layer.keys.heads, ")"));
+  // The window stage holds (G·W, n) probabilities of one KV head in compute_t<T>.
+  Index rows = 0, elements = 0, bytes = 0;
+  if (!checked_mul(layer.group_size(), layer.window(), rows) || !checked_mul(rows, layer.tokens(), elements) ||
+      !checked_mul(elements, static_cast<Index>(sizeof(compute_t<T>)), bytes) || bytes > kMaxViewBytes)
+    return Status::fail(Status::Code::invalid_shape,
+                        concat("window attention of (group size ", layer.group_size(), " x window ", layer.window(),
+                               ") rows over tokens=", layer.tokens(), " needs more than ", kMaxViewBytes, " bytes"));
   if (check_keys) KVC_RETURN_IF_ERROR(detail::check_finite(layer.keys, "keys"));
   if (check_values) KVC_RETURN_IF_ERROR(detail::check_finite(layer.values, "values"));
   if (check_queries)  // only the last window() query rows are read

@@ -535,6 +535,9 @@ class Pipeline {
                                        "write every gate on every path) or computed it from sums that overflow"));
 
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
+      if (args_.check_finite && !out.bias.allFinite())  // O(m_g); finite input must give a finite bias
+        throw error(detail::concat("a bias of KV head ", g, " is not finite although the input is: the compensator's "
+                                   "arithmetic overflows"));
 
       out.positions = sel.kept[g];
       out.diagnostics = merged.diagnostics;
@@ -553,9 +556,15 @@ class Pipeline {
     // 5. Optional RoPE repositioning to contiguous positions 0..m−1 (SPEC §10).
     result.next_position = n;
     if (args_.reposition.enabled) {
-      for (auto& h : result.heads)
+      for (std::size_t g = 0; g < result.heads.size(); ++g) {
+        auto& h = result.heads[g];
         for (Index i = 0; i < h.size(); ++i)
           rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
+        // A rotation grows a pair's larger entry by up to √2: keys near the type's largest value overflow.
+        if (args_.check_finite && !h.keys.allFinite())
+          throw error(detail::concat("a repositioned key of KV head ", g, " is not finite although the input is: ",
+                                     "rotating keys this large overflows the arithmetic type"));
+      }
       result.next_position = result.max_size();
     }
   }

@@ -43,7 +43,8 @@ struct HeadDiagnostics {
   Index cg_iterations = 0;
   double cg_residual = 0.0;  ///< final relative residual of the key-step CG
   SolverStatus cg_status = SolverStatus::not_run;
-  bool key_step_rejected = false;  ///< the optional safeguard undid the key step
+  bool key_step_rejected = false;  ///< the optional safeguard, or non-finite / out-of-range keys, undid a key step
+  bool value_step_rejected = false;  ///< a value step failed or gave non-finite / out-of-range values: kept V⁰
 };
 
 /// Window outputs Y = A·V_g (G·W, d) of KV head g straight from the layer. For float arithmetic one

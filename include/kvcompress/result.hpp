@@ -8,6 +8,11 @@
 #include "kvcompress/core.hpp"
 #include "kvcompress/policy.hpp"
 
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace kvc {
@@ -45,11 +50,62 @@ struct LayerResult {
   }
 };
 
+namespace detail {
+
+/// Whether two views (each alias-free, check_view) share a byte. Their byte ranges are compared
+/// first; when those intersect (interleaved layouts), the rows of both, visited in address order,
+/// are merged: O(heads·tokens) of each, no allocation.
+template <class T>
+bool views_overlap(const TensorView<T>& a, const TensorView<T>& b) {
+  using U = std::uintptr_t;
+  const U row_bytes_a = static_cast<U>(a.dim) * sizeof(T), row_bytes_b = static_cast<U>(b.dim) * sizeof(T);
+  Index span_a = 0, span_b = 0;
+  if (!view_span_bytes(a, span_a) || !view_span_bytes(b, span_b)) return true;
+  const U a0 = reinterpret_cast<U>(a.data), b0 = reinterpret_cast<U>(b.data);
+  if (a0 + static_cast<U>(span_a) <= b0 || b0 + static_cast<U>(span_b) <= a0) return false;
+  // Rows in address order: outer index over the larger stride, inner over the smaller.
+  struct Walk {
+    U base;
+    Index inner_stride, inner_count, outer_stride, outer_count;
+    Index outer = 0, inner = 0;
+    Walk(const TensorView<T>& v, U b) : base(b) {
+      const bool heads_inner = v.head_stride < v.token_stride || v.tokens == 1;
+      inner_stride = heads_inner ? v.head_stride : v.token_stride;
+      inner_count = heads_inner ? v.heads : v.tokens;
+      outer_stride = heads_inner ? v.token_stride : v.head_stride;
+      outer_count = heads_inner ? v.tokens : v.heads;
+    }
+    bool done() const { return outer >= outer_count; }
+    U start() const {
+      return base + (static_cast<U>(outer) * static_cast<U>(outer_stride) +
+                     static_cast<U>(inner) * static_cast<U>(inner_stride)) * sizeof(T);
+    }
+    void next() {
+      if (++inner == inner_count) {
+        inner = 0;
+        ++outer;
+      }
+    }
+  } wa(a, a0), wb(b, b0);
+  while (!wa.done() && !wb.done()) {
+    const U sa = wa.start(), sb = wb.start();
+    if (sa + row_bytes_a <= sb) wa.next();
+    else if (sb + row_bytes_b <= sa) wb.next();
+    else return true;
+  }
+  return false;
+}
+
+}  // namespace detail
+
 /// Writes head g's compressed keys and values into rows 0..m_g−1 of `keys_out` / `values_out`,
 /// converting to the cache's element type. Either layout works (the views carry the strides). The
 /// destination may be the very cache the layer was read from (in-place compaction): the result
-/// already holds its own copy. Rows ≥ m_g are not touched. Throws kvc::error (and writes nothing)
-/// when shapes do not fit. O(Σ m_g·d).
+/// already holds its own copy. Rows ≥ m_g are not touched. Throws kvc::error, and writes nothing,
+/// when shapes do not fit, when the rows written to keys_out and values_out would share memory, or
+/// when an entry does not convert to a finite T (NaN, Inf, or beyond T's range, as merged values
+/// of a half cache can be): every entry is checked before the first is written, nothing is clamped.
+/// O(Σ m_g·d).
 template <class Real, class T>
 void compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out,
                   const TensorView<T>& values_out) {
@@ -58,15 +114,29 @@ void compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out
   detail::check_view(keys_out, "keys_out").throw_if_error();
   detail::check_view(values_out, "values_out").throw_if_error();
   const Index H = static_cast<Index>(result.heads.size());
+  const Index m = result.max_size();
   for (const auto* v : {&keys_out, &values_out}) {
     if (v->heads != H)
       throw error(concat("compact_into: destination has ", v->heads, " heads, result has ", H));
-    if (v->tokens < result.max_size())
-      throw error(concat("compact_into: destination holds ", v->tokens, " tokens, result needs ",
-                         result.max_size()));
+    if (v->tokens < m)
+      throw error(concat("compact_into: destination holds ", v->tokens, " tokens, result needs ", m));
     if (H > 0 && v->dim != result.heads[0].keys.cols())
       throw error(concat("compact_into: destination dim ", v->dim, " != result dim ",
                          result.heads[0].keys.cols()));
+  }
+  if (m > 0 && detail::views_overlap(keys_out.token_range(0, m), values_out.token_range(0, m)))
+    throw error(concat("compact_into: keys_out (data=", static_cast<const void*>(keys_out.data),
+                       ") and values_out (data=", static_cast<const void*>(values_out.data),
+                       ") share memory in the rows to be written"));
+  for (Index g = 0; g < H; ++g) {
+    const auto& hr = result.heads[g];
+    for (const auto* part : {&hr.keys, &hr.values}) {
+      Index i = 0, c = 0;
+      if (detail::find_unrepresentable<T>(part->topRows(hr.size()), i, c))
+        throw error(concat("compact_into: ", part == &hr.keys ? "keys" : "values", "[", g, "][", i, "][", c,
+                           "] = ", (*part)(i, c), " does not convert to a finite destination element",
+                           " (|x| must be below ", detail::overflow_limit<T, Real>(), "); nothing was written"));
+    }
   }
   for (Index g = 0; g < H; ++g) {
     const auto& hr = result.heads[g];
@@ -82,14 +152,40 @@ void compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out
 }
 
 /// Writes the bias of head g into bias_out[g * head_stride + i] for i < m_g (e.g. an engine's
-/// additive attention-mask row). Throws kvc::error when a row does not fit `capacity`.
+/// additive attention-mask row), converted to B (float, double, Eigen::half or Eigen::bfloat16).
+/// Throws kvc::error, and writes nothing, when a row does not fit `capacity`, `bias_out` is null,
+/// `head_stride` is negative or below `capacity` (rows would overlap; any value with one head), the
+/// extent overflows, or a bias does not convert to a finite B.
 template <class Real, class B>
 void compact_bias_into(const LayerResult<Real>& result, B* bias_out, Index head_stride, Index capacity) {
+  static_assert(is_element_type_v<B>, "compact_bias_into writes float, double, Eigen::half or Eigen::bfloat16");
+  using detail::concat;
+  const Index H = static_cast<Index>(result.heads.size());
+  if (capacity < 0) throw error(concat("compact_bias_into: capacity must be >= 0, got ", capacity));
   if (result.max_size() > capacity)
-    throw error(detail::concat("compact_bias_into: capacity ", capacity, " < ", result.max_size()));
+    throw error(concat("compact_bias_into: capacity ", capacity, " < ", result.max_size()));
+  if (H == 0 || result.max_size() == 0) return;
+  if (bias_out == nullptr) throw error("compact_bias_into: bias_out is null");
+  if (head_stride < 0) throw error(concat("compact_bias_into: head_stride must be >= 0, got ", head_stride));
+  if (H > 1 && head_stride < capacity)
+    throw error(concat("compact_bias_into: head_stride ", head_stride, " < capacity ", capacity,
+                       ": the rows of ", H, " heads would overlap"));
+  Index span = 0, bytes = 0;
+  if (!detail::checked_mul(H - 1, head_stride, span) || !detail::checked_add(span, capacity, span) ||
+      !detail::checked_mul(span, static_cast<Index>(sizeof(B)), bytes) || bytes > detail::kMaxViewBytes ||
+      reinterpret_cast<std::uintptr_t>(bias_out) > std::numeric_limits<std::uintptr_t>::max() - static_cast<std::uintptr_t>(bytes))
+    throw error(concat("compact_bias_into: ", H, " heads with head_stride=", head_stride, " and capacity=",
+                       capacity, " span more than ", detail::kMaxViewBytes, " bytes"));
+  for (Index g = 0; g < H; ++g) {
+    const auto& bias = result.heads[static_cast<std::size_t>(g)].bias;
+    Index i = 0, c = 0;
+    if (detail::find_unrepresentable<B>(bias.transpose(), i, c))
+      throw error(concat("compact_bias_into: bias[", g, "][", c, "] = ", bias[c],
+                         " does not convert to a finite destination element; nothing was written"));
+  }
   for (std::size_t g = 0; g < result.heads.size(); ++g)
     for (Index i = 0; i < result.heads[g].size(); ++i)
-      bias_out[static_cast<Index>(g) * head_stride + i] = static_cast<B>(result.heads[g].bias[i]);
+      bias_out[static_cast<Index>(g) * head_stride + i] = from_real<B>(result.heads[g].bias[i]);
 }
 
 }  // namespace kvc

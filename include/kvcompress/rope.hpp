@@ -28,6 +28,9 @@ struct RopeArguments {
 
   Status validate(Index d) const {
     using detail::concat;
+    if (layout != RopeLayout::interleaved && layout != RopeLayout::half_split)
+      return Status::fail(Status::Code::invalid_argument,
+                          concat("rope.layout must be interleaved or half_split, got ", static_cast<int>(layout)));
     if (!enabled) return Status::ok();
     if (!(theta > 0.0) || !std::isfinite(theta))
       return Status::fail(Status::Code::invalid_argument, concat("rope.theta must be > 0, got ", theta));

@@ -46,6 +46,9 @@ struct AttentionArguments {
     if (!(softcap >= 0.0) || !std::isfinite(softcap))
       return Status::fail(Status::Code::invalid_argument,
                           detail::concat("attention.softcap must be finite and >= 0, got ", softcap));
+    if (product != WindowProduct::fma && product != WindowProduct::amx_bf16x3)
+      return Status::fail(Status::Code::invalid_argument,
+                          detail::concat("attention.product must be fma or amx_bf16x3, got ", static_cast<int>(product)));
     return Status::ok();
   }
   double resolved_scale(Index d) const { return scale > 0.0 ? scale : 1.0 / std::sqrt(double(d)); }

@@ -37,10 +37,15 @@ struct AttentionRatio {
   static constexpr bool reads_kept_keys = false;  // no rows at all
   Arguments args;
 
+  /// log R <= log(1 + 1e12·n) < 70 for any n a view can hold (R <= (τ + W)/τ, τ >= 1e-12·W/n), so
+  /// |α| <= kMaxAlpha keeps every bias below 7e31, finite in float.
+  static constexpr double kMaxAlpha = 1e30;
+
   Status validate() const {
-    if (!std::isfinite(args.alpha))
+    if (!(std::abs(args.alpha) <= kMaxAlpha))
       return Status::fail(Status::Code::invalid_argument,
-                          detail::concat("compensator.alpha must be finite, got ", args.alpha));
+                          detail::concat("compensator.alpha must be finite with |alpha| <= ", kMaxAlpha, ", got ",
+                                         args.alpha));
     if (!(args.r_max == 0.0 || args.r_max >= 1.0) || !std::isfinite(args.r_max))
       return Status::fail(Status::Code::invalid_argument,
                           detail::concat("compensator.r_max must be 0 (off) or >= 1, got ", args.r_max));

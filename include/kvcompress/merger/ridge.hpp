@@ -247,15 +247,20 @@ void dual_system(const RowMatrix<Real>& X,   // (R, m)
 
 /// V_U ← V_U⁰ + X_Uᵀ·sol, V_F ← V_F⁰, with XU (R, u) the free columns of X and sol (R, d) the dual
 /// solution. The product is in Real: it is well conditioned (X ≥ 0, rows sum to <= 1) and its rounding
-/// is that of the stored result. `V` may be the same object as `V0`. O(R·u·d).
+/// is that of the stored result. `V` may be the same object as `V0`. Returns false, and writes
+/// nothing, when a new row has an entry that is not below `limit` in magnitude (Inf, NaN, or beyond the
+/// cache's element type: see kvc::detail::overflow_limit). O(R·u·d).
 template <class Real>
-void apply_value_update(const RowMatrix<Real>& XU, const Eigen::MatrixXd& sol, const RowMatrix<Real>& V0,
-                        const std::vector<Index>& free, RowMatrix<Real>& V) {
+bool apply_value_update(const RowMatrix<Real>& XU, const Eigen::MatrixXd& sol, const RowMatrix<Real>& V0,
+                        const std::vector<Index>& free, RowMatrix<Real>& V,
+                        Real limit = std::numeric_limits<Real>::infinity()) {
   const RowMatrix<Real> z = sol.template cast<Real>();  // (R, d)
-  const RowMatrix<Real> delta = XU.transpose() * z;     // (u, d)
+  RowMatrix<Real> rows = XU.transpose() * z;            // (u, d)  the update, then V_U⁰ + update
+  for (std::size_t k = 0; k < free.size(); ++k) rows.row(static_cast<Index>(k)) += V0.row(free[k]);
+  if (!(rows.array().abs() < limit).all()) return false;
   if (&V != &V0) V = V0;
-  for (std::size_t k = 0; k < free.size(); ++k)
-    V.row(free[k]) = V0.row(free[k]) + delta.row(static_cast<Index>(k));
+  for (std::size_t k = 0; k < free.size(); ++k) V.row(free[k]) = rows.row(static_cast<Index>(k));
+  return true;
 }
 }  // namespace detail
 
@@ -268,41 +273,45 @@ void apply_value_update(const RowMatrix<Real>& XU, const Eigen::MatrixXd& sol, c
 /// condition number reaches ~100·R, and the residual Y − X V⁰ is a difference of nearly equal outputs;
 /// in float both would lose most of the digits of the update. The final product X_Uᵀ·solution is in
 /// Real (detail::apply_value_update). Inputs and result stay in Real. `V` may be the same object as
-/// `V0`. If the solve fails (non-finite input) V = V⁰.
+/// `V0`. If the solve fails (non-finite input) or a new entry is not below `limit` in magnitude
+/// (non-finite, or beyond the cache's element type) V = V⁰ and false is returned.
 ///
 /// O(R²·u/2 + R³/3 + R·m·d) double and O(R·u·d) Real time, O(R·(R + u + d)) memory.
 template <class Real>
-void value_step_dual(const RowMatrix<Real>& X,   // (R, m) probabilities at the current keys
+bool value_step_dual(const RowMatrix<Real>& X,   // (R, m) probabilities at the current keys
                      const RowMatrix<Real>& V0,  // (m, d) original kept values
                      const RowMatrix<Real>& Y,   // (R, d) full-cache targets
                      const std::vector<Index>& free, double lambda,
-                     RowMatrix<Real>& V) {  // (m, d) out
+                     RowMatrix<Real>& V,  // (m, d) out
+                     Real limit = std::numeric_limits<Real>::infinity()) {
   bool solved = false;
   Eigen::MatrixXd gram, Z;  // (R, R), (R, d)
   if (!free.empty()) {
     detail::dual_system(X, V0, Y, free, lambda, gram, Z);
     solved = linalg::solve_spd(gram, Z);
   }
-  if (!solved) {
-    if (&V != &V0) V = V0;
-    return;
-  }
   RowMatrix<Real> XU;  // (R, u)
-  detail::gather_columns(X, free, XU);
-  detail::apply_value_update(XU, Z, V0, free, V);
+  if (solved) detail::gather_columns(X, free, XU);
+  if (!solved || !detail::apply_value_update(XU, Z, V0, free, V, limit)) {
+    if (&V != &V0) V = V0;
+    return false;
+  }
+  return true;
 }
 
 /// Value step in the primal form (SPEC §9), mathematically equal to value_step_dual:
 ///
 ///   V_U ← (X_Uᵀ X_U + λ I)⁻¹ (X_Uᵀ (Y − X_F V_F) + λ V_U⁰),   V_F ← V_F⁰
 ///
-/// A (u, u) solve in double: cheaper than the dual when u < R. O(R·u² + u³/3 + R·m·d).
+/// A (u, u) solve in double: cheaper than the dual when u < R. O(R·u² + u³/3 + R·m·d). As
+/// value_step_dual, V = V⁰ and false when the solve fails or a new entry is not below `limit`.
 template <class Real>
-void value_step_primal(const RowMatrix<Real>& X,   // (R, m)
+bool value_step_primal(const RowMatrix<Real>& X,   // (R, m)
                        const RowMatrix<Real>& V0,  // (m, d)
                        const RowMatrix<Real>& Y,   // (R, d)
                        const std::vector<Index>& free, double lambda,
-                       RowMatrix<Real>& V) {  // (m, d) out
+                       RowMatrix<Real>& V,  // (m, d) out
+                       Real limit = std::numeric_limits<Real>::infinity()) {
   const Index m = X.cols(), u = static_cast<Index>(free.size());
   std::vector<bool> is_free(static_cast<std::size_t>(m), false);
   for (Index k : free) is_free[static_cast<std::size_t>(k)] = true;
@@ -320,9 +329,11 @@ void value_step_primal(const RowMatrix<Real>& X,   // (R, m)
   normal.diagonal().array() += lambda;
   const bool solved = u > 0 && linalg::solve_spd(normal, rhs);
   if (&V != &V0) V = V0;
-  if (!solved) return;
-  for (Index k = 0; k < u; ++k)
-    V.row(free[static_cast<std::size_t>(k)]) = rhs.row(k).template cast<Real>();
+  if (!solved) return false;
+  const RowMatrix<Real> rows = rhs.template cast<Real>();  // (u, d)
+  if (!(rows.array().abs() < limit).all()) return false;
+  for (Index k = 0; k < u; ++k) V.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
+  return true;
 }
 
 /// The Jacobian J = ∂ vec f / ∂ vec K_U of f(K) = X(K)·V at fixed (K, V), kept implicitly: products with
@@ -479,13 +490,14 @@ class KeyNormalOperator {
 };
 
 /// The key step at a linearisation `jac` (at the current keys K) with e = Y − f(K) (R, d), SPEC §9.
-/// `K0` may be the same object as `K` (anchor = current keys). With `finite` given, non-finite new
-/// rows are not written (K unchanged, *finite = false); without it K is written in any case.
+/// `K0` may be the same object as `K` (anchor = current keys). With `finite` given, new rows with an
+/// entry not below `limit` in magnitude (non-finite, or beyond the cache's element type) are not
+/// written (K unchanged, *finite = false); without it K is written in any case.
 template <class Real>
 KeyStepReport key_step_at(const KeyJacobian<Real>& jac, const RowMatrix<Real>& e,
                           const RowMatrix<Real>& K0, const std::vector<Index>& free, double lambda,
                           const typename ConjugateGradient<Real>::Arguments& cg_args, RowMatrix<Real>& K,
-                          bool* finite = nullptr) {
+                          bool* finite = nullptr, Real limit = std::numeric_limits<Real>::infinity()) {
   KeyStepReport report;
   const Index R = jac.rows(), d = jac.dim(), u = jac.free_count();
   Vector<Real> rhs(R * d);  // (R·d)  e + J g
@@ -520,7 +532,7 @@ KeyStepReport key_step_at(const KeyJacobian<Real>& jac, const RowMatrix<Real>& e
 
   RowMatrix<Real> rows = accumulated.transpose() * jac.queries;  // (u, d)  Jᵀ α, then K_U⁰ + Jᵀ α
   for (Index k = 0; k < u; ++k) rows.row(k) += K0.row(free[static_cast<std::size_t>(k)]);
-  const bool ok = rows.allFinite();
+  const bool ok = (rows.array().abs() < limit).all();
   if (finite) *finite = ok;
   if (ok || !finite)
     for (Index k = 0; k < u; ++k) K.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
@@ -567,8 +579,10 @@ inline int severity(SolverStatus s) {
 /// `args.order`, anchored at the entry values K⁰ = K, V⁰ = V. Fills the ridge fields of `diag`:
 /// window errors before/after, cg_iterations (sum over key steps), cg_residual (largest), cg_status
 /// (worst: breakdown > max_iterations > converged), key_step_rejected (the safeguard undid a key step,
-/// or a key step produced non-finite keys and was undone). An empty free set, steps = 0 or both steps
-/// off leave K and V untouched.
+/// or a key step produced keys not below `limit` in magnitude and was undone), value_step_rejected (a
+/// value step's solve failed or produced values not below `limit`: V kept). `limit` is the magnitude
+/// from which an entry stops converting to a finite element of the cache's type (+Inf: any finite
+/// entry passes). An empty free set, steps = 0 or both steps off leave K and V untouched.
 ///
 /// Nothing is evaluated twice: the probabilities X at the current keys (and their free columns) serve
 /// the window error, the value step and the key step's linearisation until the keys change; the value
@@ -584,12 +598,13 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
              const Attention& att, const std::vector<Index>& free, const RidgeMerge::Arguments& args,
              RowMatrix<Real>& K,  // (m, d) in: K⁰, out: merged keys
              RowMatrix<Real>& V,  // (m, d) in: V⁰, out: merged values
-             HeadDiagnostics& diag) {
+             HeadDiagnostics& diag, Real limit = std::numeric_limits<Real>::infinity()) {
   using Order = RidgeMerge::Arguments::Order;
   diag.cg_iterations = 0;
   diag.cg_residual = 0.0;
   diag.cg_status = SolverStatus::not_run;
   diag.key_step_rejected = false;
+  diag.value_step_rejected = false;
   const double y_norm = Y.template cast<double>().norm();
   const auto relative = [&](double err) { return y_norm > 0.0 ? err / y_norm : err; };
   const bool capped = att.softcap > 0.0;
@@ -657,10 +672,17 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
     }
     if (linalg::solve_spd(gram, Z)) {  // Z ← (X_U X_Uᵀ + λ I)⁻¹ (Y − X V⁰)
       ensure_xu();
-      detail::apply_value_update(XU, Z, V0, free, V);
-      E = args.lambda_v * Z;  // Y − X V = Y − X V⁰ − X_U X_Uᵀ Z = λ Z
+      if (detail::apply_value_update(XU, Z, V0, free, V, limit)) {
+        E = args.lambda_v * Z;  // Y − X V = Y − X V⁰ − X_U X_Uᵀ Z = λ Z
+      } else {  // new values not finite or beyond the element type: V = V⁰, f and E recomputed on demand
+        if (&V != &V0) V = V0;
+        diag.value_step_rejected = true;
+        have_f = have_err = false;
+        return;
+      }
     } else {  // unchanged Z = Y − X V⁰
       if (&V != &V0) V = V0;
+      diag.value_step_rejected = true;
       E = std::move(Z);
     }
     f = (Y.template cast<double>() - E).template cast<Real>();
@@ -685,7 +707,7 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
           detail::jacobian_from(Q, std::move(XU), capped ? &chain : nullptr, V, f, att, free);
       const RowMatrix<Real> e = E.template cast<Real>();  // (R, d) Y − f(K)
       rep = detail::key_step_at(jac, e, K0, free, args.lambda_k, {args.cg_tolerance, args.cg_max_iterations},
-                                K, &finite);
+                                K, &finite, limit);
     }
     diag.cg_iterations += rep.iterations;
     diag.cg_residual = std::max(diag.cg_residual, rep.residual);
@@ -780,7 +802,9 @@ void RidgeMerge::merge(const HeadContext<T>& ctx, const Routing& /*routing: unus
   const Vector<Real>& score = ctx.score().size() == n ? ctx.score() : ctx.mass();
   std::vector<Index> free;  // nothing evicted: identity (SPEC §3)
   if (m < n) free = ridge::free_indices(ridge::fixed_mask(kept, n, W, args.sinks, args.beta, score));
-  ridge::regress(Q, Y, att, free, args, out.keys, out.values, diag);
+  // Steps whose new keys or values would not convert to a finite T (the cache's type, which
+  // compact_into writes; half holds |x| < 65520) are rejected for this head like non-finite ones.
+  ridge::regress(Q, Y, att, free, args, out.keys, out.values, diag, kvc::detail::overflow_limit<T, Real>());
 }
 
 }  // namespace kvc

@@ -120,6 +120,11 @@ struct BucketRouter {
     if (args.bucket < 0)
       return Status::fail(Status::Code::invalid_argument,
                           detail::concat("router.bucket must be >= 0 (0 = global), got ", args.bucket));
+    if (args.statistic != RouteStatistic::key_cosine && args.statistic != RouteStatistic::window_mass &&
+        args.statistic != RouteStatistic::co_attention)
+      return Status::fail(Status::Code::invalid_argument,
+                          detail::concat("router.statistic must be key_cosine, window_mass or co_attention, got ",
+                                         static_cast<int>(args.statistic)));
     return Status::ok();
   }
 
@@ -177,7 +182,9 @@ struct BucketRouter {
     const auto& kept = ctx.kept();
     const auto& evicted = ctx.evicted();
     const Index m = static_cast<Index>(kept.size()), d = ctx.head_dim();
-    const Index B = args.bucket;
+    // A bucket of n or more tokens holds every position, as one of n does: clamped, so that j + B and
+    // the bucket ends below cannot overflow (any bucket >= 0 is valid).
+    const Index B = std::min(args.bucket, ctx.tokens());
     if (evicted.empty() || m == 0) return;
 
     const RouteStatistic stat = args.statistic;

@@ -164,6 +164,12 @@ struct TopK {
     if (args.pooling != Pooling::none && (args.pool_kernel < 1 || args.pool_kernel % 2 == 0))
       return Status::fail(Status::Code::invalid_argument,
                           concat("selector.pool_kernel must be odd and >= 1 when pooling, got ", args.pool_kernel));
+    if (args.pooling != Pooling::none && args.pooling != Pooling::average && args.pooling != Pooling::max)
+      return Status::fail(Status::Code::invalid_argument,
+                          concat("selector.pooling must be none, average or max, got ", static_cast<int>(args.pooling)));
+    if (args.granularity != Granularity::per_head && args.granularity != Granularity::shared)
+      return Status::fail(Status::Code::invalid_argument, concat("selector.granularity must be per_head or shared, got ",
+                                                                 static_cast<int>(args.granularity)));
     return Status::ok();
   }
 

@@ -24,10 +24,25 @@ using kvc::Index;
 
 /// KVC_FUZZ_VERBOSE=1 prints each case (to reproduce a finding as a plain test).
 const bool verbose = std::getenv("KVC_FUZZ_VERBOSE") != nullptr;
+/// KVC_FUZZ_CHECKED_ONLY=1 runs every preset with check_finite on (triage: the default also fuzzes
+/// check_finite = false, and demands a finite result from finite input there too).
+const bool checked_only = std::getenv("KVC_FUZZ_CHECKED_ONLY") != nullptr;
 
 [[noreturn]] void finding(const char* preset, const char* what) {
   std::fprintf(stderr, "layer_fuzz: %s: %s\n", preset, what);
   __builtin_trap();
+}
+
+/// With KVC_FUZZ_VERBOSE, the result of a head (positions, keys, values, bias) before a finding.
+template <class H>
+void dump_head(const H& h) {
+  for (Index i = 0; i < h.size(); ++i) {
+    std::fprintf(stderr, "    kept %lld: key", static_cast<long long>(h.positions[static_cast<std::size_t>(i)]));
+    for (Index c = 0; c < h.keys.cols(); ++c) std::fprintf(stderr, " %g", static_cast<double>(h.keys(i, c)));
+    std::fprintf(stderr, " value");
+    for (Index c = 0; c < h.values.cols(); ++c) std::fprintf(stderr, " %g", static_cast<double>(h.values(i, c)));
+    std::fprintf(stderr, " bias %g\n", static_cast<double>(h.bias[i]));
+  }
 }
 
 template <class A, class = void> struct has_selector_args : std::false_type {};
@@ -45,11 +60,13 @@ double pick(FuzzedDataProvider& p, std::initializer_list<double> menu) {
   return *(menu.begin() + k);
 }
 
-Index pick_index(FuzzedDataProvider& p, Index lo, Index hi) {
-  // 1 in 16: an extreme value (validation must reject or handle it), else [lo, hi].
+/// A size or count in [lo, hi], or 1 in 16 an extreme value that validation must reject or handle:
+/// -1 and, with `huge`, INT64_MAX (not for iteration counts: 2^63 ridge steps or CG iterations are
+/// valid options that run for ever, not a finding).
+Index pick_index(FuzzedDataProvider& p, Index lo, Index hi, bool huge = true) {
   switch (p.ConsumeIntegralInRange<int>(0, 15)) {
     case 0: return -1;
-    case 1: return std::numeric_limits<Index>::max();
+    case 1: return huge ? std::numeric_limits<Index>::max() : hi + 1;
     default: return p.ConsumeIntegralInRange<Index>(lo, hi);
   }
 }
@@ -80,12 +97,12 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.merger.lambda_k = pick(p, {1e-2, 1e-6, 1.0, 1e3, 0.0});
     a.merger.beta = pick(p, {0.1, 0.0, 0.5, 1.0, 1.5});
     a.merger.sinks = pick_index(p, 0, 6);
-    a.merger.steps = pick_index(p, 0, 3);
+    a.merger.steps = pick_index(p, 0, 3, false);
     a.merger.order = p.ConsumeBool() ? decltype(a.merger.order)::value_then_key : decltype(a.merger.order)::key_then_value;
     a.merger.value_step = p.ConsumeBool();
     a.merger.key_step = p.ConsumeBool();
     a.merger.cg_tolerance = pick(p, {1e-6, 1e-12, 1e-2, 0.0});
-    a.merger.cg_max_iterations = pick_index(p, 0, 100);
+    a.merger.cg_max_iterations = pick_index(p, 0, 100, false);
     a.merger.safeguard = p.ConsumeBool();
   }
   if (p.ConsumeBool()) {
@@ -94,8 +111,30 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.reposition.theta = pick(p, {10000.0, 500000.0, 1.0, 0.0});
     a.reposition.rotary_dim = p.ConsumeBool() ? 0 : p.ConsumeIntegralInRange<Index>(0, d + 1);
   }
-  a.check_finite = p.ConsumeIntegralInRange<int>(0, 3) != 0;
+  a.check_finite = p.ConsumeIntegralInRange<int>(0, 3) != 0 || checked_only;
   a.threads = p.ConsumeIntegralInRange<int>(0, 7) == 0 ? 2 : 1;
+  if (!verbose) return;
+  std::fprintf(stderr, "    options: scale %g softcap %g check_finite %d threads %lld", a.attention.scale,
+               a.attention.softcap, int(a.check_finite), static_cast<long long>(a.threads));
+  if constexpr (has_selector_args<Args>::value)
+    std::fprintf(stderr, "; selector sinks %lld recent %lld pool %lld pooling %d granularity %d",
+                 static_cast<long long>(a.selector.sinks), static_cast<long long>(a.selector.recent),
+                 static_cast<long long>(a.selector.pool_kernel), int(a.selector.pooling), int(a.selector.granularity));
+  if constexpr (has_router_args<Args>::value)
+    std::fprintf(stderr, "; router bucket %lld statistic %d", static_cast<long long>(a.router.bucket), int(a.router.statistic));
+  if constexpr (has_compensator_args<Args>::value)
+    std::fprintf(stderr, "; compensator alpha %g r_max %g", a.compensator.alpha, a.compensator.r_max);
+  if constexpr (has_ridge_args<Args>::value)
+    std::fprintf(stderr, "; ridge lambda_v %g lambda_k %g beta %g sinks %lld steps %lld order %d value_step %d "
+                 "key_step %d cg_tolerance %g cg_max_iterations %lld safeguard %d",
+                 a.merger.lambda_v, a.merger.lambda_k, a.merger.beta, static_cast<long long>(a.merger.sinks),
+                 static_cast<long long>(a.merger.steps), int(a.merger.order), int(a.merger.value_step),
+                 int(a.merger.key_step), a.merger.cg_tolerance, static_cast<long long>(a.merger.cg_max_iterations),
+                 int(a.merger.safeguard));
+  if (a.reposition.enabled)
+    std::fprintf(stderr, "; reposition layout %d theta %g rotary_dim %lld", int(a.reposition.layout),
+                 a.reposition.theta, static_cast<long long>(a.reposition.rotary_dim));
+  std::fprintf(stderr, "\n");
 }
 
 /// Storage and view of one tensor [heads][tokens][dim], head-major or token-major, with padding
@@ -151,6 +190,9 @@ Tensor<T> make_tensor(FuzzedDataProvider& p, Index heads, Index tokens, Index di
                 c = p.ConsumeIntegralInRange<Index>(0, dim - 1);
     const double v = pick(p, {0.0, -0.0, max_abs, -max_abs, 1e-40, 1.0, -1.0});
     t.buf[static_cast<std::size_t>(h * head_stride + j * token_stride + c)] = T(static_cast<float>(v));
+    if (verbose)
+      std::fprintf(stderr, "  edit [%lld][%lld][%lld] = %g\n", static_cast<long long>(h), static_cast<long long>(j),
+                   static_cast<long long>(c), v);
   }
   t.view = {t.buf.data(), heads, tokens, dim, head_stride, token_stride};
   if (verbose)
@@ -158,6 +200,14 @@ Tensor<T> make_tensor(FuzzedDataProvider& p, Index heads, Index tokens, Index di
                  static_cast<long long>(heads), static_cast<long long>(tokens), static_cast<long long>(dim),
                  static_cast<long long>(head_stride), static_cast<long long>(token_stride), e,
                  constant_rows ? ", constant rows" : "", edits);
+  if (verbose)
+    for (Index h = 0; h < heads; ++h)
+      for (Index j = 0; j < tokens; ++j) {
+        std::fprintf(stderr, "    [%lld][%lld]", static_cast<long long>(h), static_cast<long long>(j));
+        for (Index c = 0; c < dim; ++c)
+          std::fprintf(stderr, " %.9g", static_cast<double>(static_cast<float>(t.buf[static_cast<std::size_t>(h * head_stride + j * token_stride + c)])));
+        std::fprintf(stderr, "\n");
+      }
   return t;
 }
 
@@ -185,6 +235,7 @@ void run_preset(const char* name, const kvc::LayerView<T>& layer, const kvc::Bud
   if (static_cast<Index>(r.heads.size()) != H) finding(name, "result has the wrong number of heads");
   for (const auto& h : r.heads) {
     const Index m = h.size();
+    if (verbose) dump_head(h);
     if (m < 1 || m > n) finding(name, "a head keeps no entry or more than n");
     if (h.keys.rows() != m || h.values.rows() != m || h.keys.cols() != d || h.values.cols() != d || h.bias.size() != m)
       finding(name, "result sizes disagree");

@@ -406,6 +406,12 @@ inline int cmd_eval(Args& a, std::ostream& out) {
     throw std::invalid_argument("--prefix " + std::to_string(config.prefix) + " must be below the sequence length " +
                                 std::to_string(seq_length) + (tokens_path.empty() ? " (--length)" : " (of --tokens)"));
   const engine::Model model = engine::Model::load(files.model);
+  for (std::size_t s = 0; !tokens_path.empty() && s < seqs.size(); ++s)
+    for (std::size_t t = 0; t < seqs[s].size(); ++t)
+      if (seqs[s][t] >= model.config().vocab_size)
+        throw std::invalid_argument(tokens_path + ": token [" + std::to_string(s) + "][" + std::to_string(t) + "] = " +
+                                    std::to_string(seqs[s][t]) + " is outside the model's vocabulary [0, " +
+                                    std::to_string(model.config().vocab_size) + ")");
   if (tokens_path.empty()) seqs = engine::sample_sequences(model, static_cast<int>(samples), static_cast<int>(length), seed);
   const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet);
   if (json) print_json(rows, out);

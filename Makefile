@@ -6,7 +6,7 @@ CMAKE_ARGS ?=
 PACKAGES  := cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: deps configure build demo test test-sanitize bench clean
+.PHONY: deps configure build demo test test-sanitize bench clean fuzz-deps fuzz-build fuzz fuzz-ci
 
 deps:
 	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -39,8 +39,36 @@ test-sanitize: deps
 	cmake --build $(BUILD)-sanitize -j $(JOBS)
 	cd $(BUILD)-sanitize && ctest --output-on-failure -j $(JOBS)
 
+# libFuzzer targets (fuzz/): clang with ASan + UBSan, one translation unit each at -O1, in $(FUZZ_BUILD).
+# `make fuzz` builds them and runs each for FUZZ_SECONDS, FUZZ_JOBS at a time; any finding fails.
+FUZZ_BUILD   ?= build-fuzz
+FUZZ_SECONDS ?= 300
+FUZZ_JOBS    ?= 2
+FUZZ_TARGETS ?= npy model tokenizer layer
+FUZZ_PACKAGES := clang libclang-rt-14-dev
+
+fuzz-deps:
+	@missing=""; for p in $(filter-out g++ catch2 libbenchmark-dev,$(PACKAGES)) $(FUZZ_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "Installing missing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+fuzz-build: fuzz-deps
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_TESTS=OFF \
+	  -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
+	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+
+fuzz: fuzz-build
+	fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_JOBS) $(FUZZ_TARGETS)
+
+# CI: each target for 30 s.
+fuzz-ci:
+	$(MAKE) fuzz FUZZ_SECONDS=30
+
 bench: build
 	$(BUILD)/bench/kvc_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-sanitize
+	rm -rf $(BUILD) $(BUILD)-sanitize $(FUZZ_BUILD)

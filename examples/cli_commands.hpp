@@ -9,9 +9,12 @@
 #include "methods.hpp"
 
 #include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -29,13 +32,15 @@ class Args {
       if (a.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + a + "'");
       a = a.substr(2);
       const auto eq = a.find('=');
+      std::string key = a, value;
       if (eq != std::string::npos) {
-        values_[a.substr(0, eq)] = a.substr(eq + 1);
+        key = a.substr(0, eq);
+        value = a.substr(eq + 1);
       } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
-        values_[a] = argv[++i];
-      } else {
-        values_[a] = "";
+        value = argv[++i];
       }
+      // A repeated option would silently override the first: refuse it.
+      if (!values_.emplace(key, value).second) throw std::invalid_argument("option --" + key + " given more than once");
     }
   }
   bool has(const std::string& k) const { return values_.count(k) > 0; }
@@ -51,6 +56,50 @@ class Args {
     if (!has(k)) return def;
     return parse_int(k, str(k));
   }
+  /// An integer option in [lo, hi] (the default is not checked); the message names the option and
+  /// the value as given.
+  Index integer(const std::string& k, Index def, Index lo, Index hi) {
+    if (!has(k)) return def;
+    const std::string v = str(k);
+    const Index x = parse_int(k, v);
+    if (x < lo || x > hi) {
+      throw std::invalid_argument("--" + k + " must be " +
+                                  (hi == std::numeric_limits<Index>::max() ? ">= " + std::to_string(lo)
+                                                                           : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]") +
+                                  ", got '" + v + "'");
+    }
+    return x;
+  }
+  /// A file name option: absent gives "", present it must not be empty (`--tokens=` is not ignored).
+  std::string path(const std::string& k) {
+    if (!has(k)) return "";
+    const std::string v = str(k);
+    if (v.empty()) throw std::invalid_argument("--" + k + " needs a file name");
+    return v;
+  }
+  /// A comma-separated list: neither the list nor an item may be empty.
+  std::vector<std::string> list(const std::string& k, const std::string& def) {
+    const std::string v = str(k, def);
+    std::vector<std::string> out;
+    std::string::size_type start = 0;
+    while (true) {
+      const auto comma = v.find(',', start);
+      const std::string item = v.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      if (item.empty()) {
+        throw std::invalid_argument("--" + k + (v.empty() ? " is empty" : " has an empty item in '" + v + "'"));
+      }
+      out.push_back(item);
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    return out;
+  }
+  /// A budget ratio in (0, 1]; the message shows the value as given (1.0000001, not 1).
+  static double parse_ratio(const std::string& k, const std::string& v) {
+    const double x = parse_double(k, v);
+    if (!(x > 0.0 && x <= 1.0)) throw std::invalid_argument("--" + k + ": ratio '" + v + "' is outside (0, 1]");
+    return x;
+  }
   bool flag(const std::string& k) {
     if (!has(k)) return false;
     const std::string v = str(k);
@@ -64,13 +113,17 @@ class Args {
       if (!used_.count(k)) throw std::invalid_argument("unknown option --" + k);
   }
   static double parse_double(const std::string& k, const std::string& v) {
+    double x = 0;
+    std::size_t pos = 0;
     try {
-      std::size_t pos = 0;
-      const double x = std::stod(v, &pos);
-      if (pos == v.size()) return x;
+      x = std::stod(v, &pos);
     } catch (const std::exception&) {
+      pos = 0;
     }
-    throw std::invalid_argument("--" + k + " expects a number, got '" + v + "'");
+    if (pos == 0 || pos != v.size()) throw std::invalid_argument("--" + k + " expects a number, got '" + v + "'");
+    // nan and inf parse but no option takes them (a NaN would pass a range check written as x < lo).
+    if (!std::isfinite(x)) throw std::invalid_argument("--" + k + " expects a finite number, got '" + v + "'");
+    return x;
   }
   static Index parse_int(const std::string& k, const std::string& v) {
     try {
@@ -86,15 +139,6 @@ class Args {
   std::map<std::string, std::string> values_;
   mutable std::map<std::string, bool> used_;
 };
-
-inline std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
 
 /// Method options from the command line, one to one onto the presets' Arguments.
 inline MethodOptions method_options(Args& a) {
@@ -122,8 +166,8 @@ struct ModelFiles {
 
 inline ModelFiles model_files(Args& a) {
   ModelFiles f;
-  f.model = a.str("model");
-  f.tokenizer = a.str("tokenizer");
+  f.model = a.path("model");
+  f.tokenizer = a.path("tokenizer");
   if (f.model.empty() || f.tokenizer.empty()) {
     const auto dir = engine::find_model_dir();
     if (!dir) throw std::runtime_error(engine::model_missing_message());
@@ -135,8 +179,8 @@ inline ModelFiles model_files(Args& a) {
 
 inline Budget budget_from(Args& a) {
   if (a.has("budget") && a.has("ratio")) throw std::invalid_argument("give either --ratio or --budget, not both");
-  if (a.has("budget")) return Budget::tokens(a.integer("budget", 0));
-  return Budget::ratio(a.num("ratio", 0.25));
+  if (a.has("budget")) return Budget::tokens(a.integer("budget", 0, 1, std::numeric_limits<Index>::max()));
+  return Budget::ratio(a.has("ratio") ? Args::parse_ratio("ratio", a.str("ratio")) : 0.25);
 }
 
 // ---- generate -------------------------------------------------------------------------------------
@@ -145,8 +189,8 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   const ModelFiles files = model_files(a);
   const std::string prompt = a.str("prompt", "");
   const std::string method = a.str("method", "selkv");
-  const Index steps = a.integer("max-tokens", 128);
-  const Index window = a.integer("window", 32);
+  const Index steps = a.integer("max-tokens", 128, 1, std::numeric_limits<Index>::max());
+  const Index window = a.integer("window", 32, 1, std::numeric_limits<Index>::max());
   const Budget budget = budget_from(a);
   MethodOptions opts = method_options(a);
   a.reject_unused();
@@ -311,34 +355,64 @@ inline void print_csv(const std::vector<EvalRow>& rows, std::ostream& out) {
   }
 }
 
+/// The sequences of an --tokens file: an integer array [N][L], N >= 1, L >= 2, every value an int
+/// (token ids are checked against the vocabulary by the evaluation); errors name the file.
+inline std::vector<std::vector<int>> read_token_sequences(const std::string& path) {
+  const engine::NpyArray arr = engine::read_npy(path);
+  if (arr.shape.size() != 2 || arr.is_float())
+    throw std::invalid_argument(path + ": --tokens needs an integer array of shape [N][P+C]");
+  if (arr.shape[0] < 1 || arr.shape[1] < 2)
+    throw std::invalid_argument(path + ": --tokens needs at least one sequence of at least 2 tokens, got shape [" +
+                                std::to_string(arr.shape[0]) + "][" + std::to_string(arr.shape[1]) + "]");
+  std::vector<std::vector<int>> seqs(static_cast<std::size_t>(arr.shape[0]));
+  for (std::int64_t s = 0; s < arr.shape[0]; ++s) {
+    seqs[static_cast<std::size_t>(s)].reserve(static_cast<std::size_t>(arr.shape[1]));
+    for (std::int64_t t = 0; t < arr.shape[1]; ++t) {
+      const std::int64_t v = arr.i[static_cast<std::size_t>(s * arr.shape[1] + t)];
+      if (v < 0 || v > INT_MAX)  // never narrowed: 2^40 + 5 must not become token 5
+        throw std::invalid_argument(path + ": token [" + std::to_string(s) + "][" + std::to_string(t) + "] = " +
+                                    std::to_string(v) + " is not a valid token id");
+      seqs[static_cast<std::size_t>(s)].push_back(static_cast<int>(v));
+    }
+  }
+  return seqs;
+}
+
 inline int cmd_eval(Args& a, std::ostream& out) {
   const ModelFiles files = model_files(a);
-  const std::string tokens_path = a.str("tokens", "");
-  const Index samples = a.integer("samples", engine::ProtocolDefaults::kNumSequences);
-  const std::uint64_t seed = static_cast<std::uint64_t>(a.integer("seed", 1));
-  const Index length = a.integer("length", engine::ProtocolDefaults::kSequenceLength);
+  const std::string tokens_path = a.path("tokens");
+  if (!tokens_path.empty())
+    for (const char* k : {"samples", "length"})
+      if (a.has(k)) throw std::invalid_argument(std::string("--") + k + " does not apply with --tokens (the file gives the sequences)");
+  const Index samples = a.integer("samples", engine::ProtocolDefaults::kNumSequences, 1, INT_MAX);
+  const std::uint64_t seed = static_cast<std::uint64_t>(a.integer("seed", 1, 0, std::numeric_limits<Index>::max()));
+  const Index length = a.integer("length", engine::ProtocolDefaults::kSequenceLength, 2, INT_MAX);
   engine::EvalConfig config;
-  config.prefix = a.integer("prefix", engine::ProtocolDefaults::kPrefix);
-  config.window = a.integer("window", engine::ProtocolDefaults::kWindow);
-  const std::vector<std::string> methods = split(a.str("methods", "streaming,snapkv,selkv-evict,selkv,grkv"));
+  config.prefix = a.integer("prefix", engine::ProtocolDefaults::kPrefix, 1, std::numeric_limits<Index>::max());
+  config.window = a.integer("window", engine::ProtocolDefaults::kWindow, 1, std::numeric_limits<Index>::max());
+  const std::vector<std::string> methods = a.list("methods", "streaming,snapkv,selkv-evict,selkv,grkv");
   std::vector<double> ratios;
-  for (const auto& r : split(a.str("ratios", "0.1,0.25,0.5"))) ratios.push_back(Args::parse_double("ratios", r));
+  for (const auto& r : a.list("ratios", "0.1,0.25,0.5")) ratios.push_back(Args::parse_ratio("ratios", r));
   const bool json = a.flag("json"), csv = a.flag("csv"), quiet = a.flag("quiet");
+  if (json && csv) throw std::invalid_argument("give either --json or --csv, not both");
   const MethodOptions opts = method_options(a);
   a.reject_unused();
   for (const auto& m : methods) make_method(m, opts);  // fail fast on a bad name or option
 
-  const engine::Model model = engine::Model::load(files.model);
   std::vector<std::vector<int>> seqs;
-  if (!tokens_path.empty()) {
-    const engine::NpyArray arr = engine::read_npy(tokens_path);
-    if (arr.shape.size() != 2 || arr.is_float())
-      throw std::invalid_argument(tokens_path + ": --tokens needs an integer array of shape [N][P+C]");
-    for (std::int64_t s = 0; s < arr.shape[0]; ++s)
-      seqs.emplace_back(arr.i.begin() + s * arr.shape[1], arr.i.begin() + (s + 1) * arr.shape[1]);
-  } else {
-    seqs = engine::sample_sequences(model, static_cast<int>(samples), static_cast<int>(length), seed);
-  }
+  if (!tokens_path.empty()) seqs = read_token_sequences(tokens_path);  // before the model: fail fast
+  const Index seq_length = tokens_path.empty() ? length : static_cast<Index>(seqs[0].size());
+  if (config.prefix >= seq_length)
+    throw std::invalid_argument("--prefix " + std::to_string(config.prefix) + " must be below the sequence length " +
+                                std::to_string(seq_length) + (tokens_path.empty() ? " (--length)" : " (of --tokens)"));
+  const engine::Model model = engine::Model::load(files.model);
+  for (std::size_t s = 0; !tokens_path.empty() && s < seqs.size(); ++s)
+    for (std::size_t t = 0; t < seqs[s].size(); ++t)
+      if (seqs[s][t] >= model.config().vocab_size)
+        throw std::invalid_argument(tokens_path + ": token [" + std::to_string(s) + "][" + std::to_string(t) + "] = " +
+                                    std::to_string(seqs[s][t]) + " is outside the model's vocabulary [0, " +
+                                    std::to_string(model.config().vocab_size) + ")");
+  if (tokens_path.empty()) seqs = engine::sample_sequences(model, static_cast<int>(samples), static_cast<int>(length), seed);
   const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet);
   if (json) print_json(rows, out);
   else if (csv) print_csv(rows, out);
@@ -353,7 +427,7 @@ inline int cmd_eval(Args& a, std::ostream& out) {
 // ---- compress -------------------------------------------------------------------------------------
 
 inline int cmd_compress(Args& a, std::ostream& out) {
-  const std::string kp = a.str("keys"), vp = a.str("values"), qp = a.str("queries"), dir = a.str("out");
+  const std::string kp = a.path("keys"), vp = a.path("values"), qp = a.path("queries"), dir = a.path("out");
   const std::string method = a.str("method", "selkv");
   if (kp.empty() || vp.empty() || qp.empty() || dir.empty())
     throw std::invalid_argument("compress needs --keys, --values, --queries and --out");

@@ -84,7 +84,7 @@ inline std::uint64_t regular_file_size(const std::string& path, const char* kind
 }
 
 /// Reads exactly `n` bytes or throws naming the file.
-inline void read_exact(std::ifstream& in, char* dst, std::uint64_t n, const std::string& path, const char* what) {
+inline void read_exact(std::istream& in, char* dst, std::uint64_t n, const std::string& path, const char* what) {
   in.read(dst, static_cast<std::streamsize>(n));
   if (!in || static_cast<std::uint64_t>(in.gcount()) != n) {
     throw file_error(path, std::string("read error while reading ") + what);
@@ -167,19 +167,25 @@ class Model {
   /// implies (truncated or trailing bytes), a tensor holds NaN/Inf, or the freq_cis tables disagree
   /// with RoPE base 10000.
   static Model load(const std::string& path) {
+    const std::uint64_t file_size = detail::regular_file_size(path, "checkpoint");
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw detail::file_error(path, "cannot open the checkpoint for reading");
+    return load(in, file_size, path);
+  }
+
+  /// Loads a checkpoint of `file_size` bytes from `in` (the same checks as load(path); `path` names
+  /// the source in messages). Used by the fuzz target on in-memory input.
+  static Model load(std::istream& in, std::uint64_t file_size, const std::string& path) {
     Model model;
     model.path_ = path;
     if (!detail::host_is_little_endian()) {
       throw detail::file_error(path, "checkpoints are little-endian; big-endian hosts are not supported");
     }
-    const std::uint64_t file_size = detail::regular_file_size(path, "checkpoint");
     constexpr std::uint64_t kHeaderBytes = 7 * 4;
     if (file_size < kHeaderBytes) {
       throw detail::file_error(path, "checkpoint is " + std::to_string(file_size) +
                                          " bytes, too short for the 28-byte header (truncated?)");
     }
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw detail::file_error(path, "cannot open the checkpoint for reading");
     unsigned char header[kHeaderBytes];
     detail::read_exact(in, reinterpret_cast<char*>(header), kHeaderBytes, path, "the header");
     std::int32_t h[7];
@@ -391,7 +397,15 @@ class Tokenizer {
     if (!in) throw detail::file_error(path, "cannot open the tokenizer for reading");
     std::vector<unsigned char> bytes(static_cast<std::size_t>(size));
     if (size > 0) detail::read_exact(in, reinterpret_cast<char*>(bytes.data()), size, path, "the tokenizer");
+    return parse(bytes, path, vocab_size);
+  }
 
+  /// Parses the bytes of a tokenizer file (the checks of load(); `path` names the source in messages).
+  static Tokenizer parse(const std::vector<unsigned char>& bytes, const std::string& path, int vocab_size) {
+    if (vocab_size < 3 || vocab_size > ConfigLimits::kMaxVocab) {
+      throw detail::file_error(path, "tokenizer vocab_size " + std::to_string(vocab_size) +
+                                         " out of range [3, " + std::to_string(ConfigLimits::kMaxVocab) + "]");
+    }
     Tokenizer tok;
     std::size_t at = 0;
     auto need = [&](std::size_t n, const std::string& what) {

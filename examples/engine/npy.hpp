@@ -237,6 +237,13 @@ inline void npy_write(const std::string& path, const std::vector<std::int64_t>& 
   if (!out) throw npy_error(path, "write failed");
 }
 
+/// "(2, 3)" for messages.
+inline std::string npy_shape_string(const std::vector<std::int64_t>& shape) {
+  std::string out = "(";
+  for (std::size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
+  return out + (shape.size() == 1 ? ",)" : ")");
+}
+
 inline std::size_t npy_count(const std::string& path, const std::vector<std::int64_t>& shape) {
   std::uint64_t n = 1;
   for (const std::int64_t s : shape) {
@@ -252,6 +259,8 @@ inline std::size_t npy_count(const std::string& path, const std::vector<std::int
 /// Reads an .npy file. Throws std::runtime_error naming the file and the reason: cannot open, wrong
 /// magic, unsupported version, header parse error, Fortran order, big-endian or unsupported dtype
 /// (named), truncated data, or trailing bytes after the data.
+inline NpyArray parse_npy(const std::vector<unsigned char>& bytes, const std::string& path);
+
 inline NpyArray read_npy(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) throw detail::npy_error(path, "does not exist or is not a regular file");
@@ -264,6 +273,12 @@ inline NpyArray read_npy(const std::string& path) {
     in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size));
     if (!in) throw detail::npy_error(path, "read error");
   }
+  return parse_npy(bytes, path);
+}
+
+/// Parses the bytes of an .npy file (the checks of read_npy; `path` names the source in messages).
+inline NpyArray parse_npy(const std::vector<unsigned char>& bytes, const std::string& path) {
+  const std::uint64_t size = bytes.size();
   static const unsigned char kMagic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
   if (size < 10 || std::memcmp(bytes.data(), kMagic, 6) != 0) {
     throw detail::npy_error(path, "wrong magic (not an .npy file)");
@@ -342,12 +357,14 @@ inline NpyArray read_npy(const std::string& path) {
   arr.shape = shape;
   const std::size_t count = detail::npy_count(path, shape);
   const std::size_t item = npy_item_size(arr.dtype);
-  const std::uint64_t data_bytes = static_cast<std::uint64_t>(count) * item;
   const std::uint64_t present = size - at;
-  if (present < data_bytes) {
-    throw detail::npy_error(path, "truncated data: shape needs " + std::to_string(data_bytes) + " bytes, " +
-                                      std::to_string(present) + " present");
+  // count <= 2^62 but count * item may wrap: compare by division before multiplying.
+  if (static_cast<std::uint64_t>(count) > present / item) {
+    throw detail::npy_error(path, "truncated data: shape " + detail::npy_shape_string(shape) + " of '" + descr +
+                                      "' needs " + std::to_string(count) + " x " + std::to_string(item) +
+                                      " bytes, " + std::to_string(present) + " present");
   }
+  const std::uint64_t data_bytes = static_cast<std::uint64_t>(count) * item;  // <= present: no wrap
   if (present > data_bytes) {
     throw detail::npy_error(path, std::to_string(present - data_bytes) + " trailing bytes after the data");
   }

@@ -129,3 +129,75 @@ TEST_CASE("the tool rejects bad input with a message and a non-zero exit code", 
   CHECK(run({"frobnicate"}, out, err) == 2);
   CHECK_THAT(err, Catch::Contains("unknown subcommand"));
 }
+
+TEST_CASE("options out of range, empty or contradictory are errors naming the option (issue 25)", "[cli][errors]") {
+  // Every case fails on the options alone, before a model is loaded: the model paths do not exist.
+  TempDir tmp;
+  const std::vector<std::string> model = {"--model", tmp / "absent.bin", "--tokenizer", tmp / "absent_tok.bin"};
+  std::string out, err;
+  auto rejects = [&](std::vector<std::string> args, const std::string& what) {
+    args.insert(args.end(), model.begin(), model.end());
+    std::string joined;
+    for (const auto& s : args) joined += s + " ";
+    INFO(joined);
+    CHECK(run(args, out, err) == 2);
+    CHECK_THAT(err, Catch::Contains(what));
+    CHECK(out.empty());
+  };
+  // generate --max-tokens -5 ran and exited 0 with empty generations.
+  rejects({"generate", "--max-tokens", "-5"}, "--max-tokens must be >= 1, got '-5'");
+  rejects({"generate", "--max-tokens", "0"}, "--max-tokens must be >= 1, got '0'");
+  // --window 0 reached the library ("queries ... tokens=0").
+  rejects({"generate", "--window", "0"}, "--window must be >= 1, got '0'");
+  rejects({"eval", "--window", "0"}, "--window must be >= 1, got '0'");
+  // eval --ratios= / --methods= printed an empty table.
+  rejects({"eval", "--ratios="}, "--ratios is empty");
+  rejects({"eval", "--methods="}, "--methods is empty");
+  rejects({"eval", "--ratios", "0.1,,0.5"}, "--ratios has an empty item in '0.1,,0.5'");
+  rejects({"eval", "--methods", "snapkv,"}, "--methods has an empty item");
+  // eval --json --csv printed JSON and ignored --csv.
+  rejects({"eval", "--json", "--csv"}, "either --json or --csv");
+  // A ratio error prints the value as given, not rounded to 1.
+  rejects({"eval", "--ratios", "0.5,1.0000001"}, "'1.0000001' is outside (0, 1]");
+  rejects({"generate", "--ratio", "1.0000001"}, "'1.0000001' is outside (0, 1]");
+  rejects({"generate", "--ratio", "0"}, "--ratio: ratio '0' is outside (0, 1]");
+  // The same class: values that were narrowed, wrapped, ignored or taken as NaN.
+  rejects({"eval", "--samples", "1099511627781"}, "--samples must be in [1, 2147483647]");
+  rejects({"eval", "--samples", "0"}, "--samples must be in [1, 2147483647], got '0'");
+  rejects({"eval", "--length", "4294967808"}, "--length must be in [2, 2147483647]");
+  rejects({"eval", "--seed", "-1"}, "--seed must be >= 0, got '-1'");
+  rejects({"eval", "--prefix", "0"}, "--prefix must be >= 1, got '0'");
+  rejects({"eval", "--length", "200"}, "--prefix 384 must be below the sequence length 200");
+  rejects({"eval", "--ratios", "nan"}, "--ratios expects a finite number, got 'nan'");
+  rejects({"generate", "--ratio", "nan"}, "--ratio expects a finite number, got 'nan'");
+  rejects({"generate", "--method", "grkv", "--alpha", "inf"}, "--alpha expects a finite number, got 'inf'");
+  rejects({"generate", "--budget", "-3"}, "--budget must be >= 1, got '-3'");
+  rejects({"eval", "--tokens="}, "--tokens needs a file name");
+  CHECK(run({"eval", "--model=", "--tokenizer", tmp / "absent_tok.bin"}, out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--model needs a file name"));
+  rejects({"generate", "--ratio", "0.5", "--ratio", "0.25"}, "option --ratio given more than once");
+  rejects({"eval", "--tokens", tmp / "t.npy", "--samples", "4"}, "--samples does not apply with --tokens");
+}
+
+TEST_CASE("eval --tokens rejects int64 ids that do not fit an int instead of narrowing them", "[cli][errors][npy]") {
+  // 2^40 + 5 was narrowed to token 5 and evaluated.
+  TempDir tmp;
+  const std::vector<std::int64_t> ids = {1, 7, 9, (std::int64_t{1} << 40) + 5, 3, 4};
+  kvc::engine::write_npy(tmp / "tok.npy", {2, 3}, ids.data());
+  const std::vector<std::int64_t> neg = {1, -2};
+  kvc::engine::write_npy(tmp / "neg.npy", {1, 2}, neg.data());
+  const std::vector<std::int64_t> one = {1, 2, 3};
+  kvc::engine::write_npy(tmp / "short.npy", {3, 1}, one.data());
+  std::string out, err;
+  auto eval = [&](const std::string& tokens) {
+    return run({"eval", "--tokens", tokens, "--prefix", "1", "--model", tmp / "absent.bin", "--tokenizer",
+                tmp / "absent_tok.bin"},
+               out, err);
+  };
+  CHECK(eval(tmp / "tok.npy") == 2);
+  CHECK_THAT(err, Catch::Contains(tmp / "tok.npy") && Catch::Contains("token [1][0] = 1099511627781"));
+  CHECK(eval(tmp / "neg.npy") == 2);
+  CHECK_THAT(err, Catch::Contains(tmp / "neg.npy") && Catch::Contains("token [0][1] = -2"));
+  CHECK(eval(tmp / "short.npy") == 2);
+  CHECK_THAT(err, Catch::Contains(tmp / "short.npy") && Catch::Contains("at least 2 tokens"));
+}

@@ -60,6 +60,17 @@ TEST_CASE("generate and eval run end to end on the model", "[cli][model]") {
   CHECK_THAT(err, Catch::Contains("--lambda does not apply to method 'snapkv'"));
 }
 
+TEST_CASE("eval --tokens names the file and the element of a token id outside the vocabulary", "[cli][model]") {
+  kvc::test::TempDir tmp;
+  const std::vector<std::int64_t> ids = {1, 5, 9, 12, 1, 7, 512, 3};  // the model's vocabulary is 512
+  kvc::engine::write_npy(tmp / "tok.npy", {2, 4}, ids.data());
+  std::string out, err;
+  CHECK(run({"eval", "--tokens", tmp / "tok.npy", "--prefix", "2", "--methods", "snapkv", "--ratios", "0.5", "--quiet"},
+            out, err) == 2);
+  CHECK_THAT(err, Catch::Contains(tmp / "tok.npy") && Catch::Contains("token [1][2] = 512") &&
+                      Catch::Contains("vocabulary [0, 512)"));
+}
+
 namespace {
 const kvc::test::RunOnlyIf needs_model([]() -> std::string {
   const auto dir = kvc::engine::find_model_dir();

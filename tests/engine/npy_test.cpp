@@ -260,3 +260,15 @@ TEST_CASE("malformed .npy files are rejected with messages naming the file and t
   rejects("hugedim.npy", make_npy(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999, 99999999999), }", data), "shape too large");
   rejects("junk_after.npy", make_npy(1, good_dict + " junk", data), "unexpected text after the dictionary");
 }
+
+TEST_CASE("a shape whose byte count wraps 64 bits is rejected as truncated, naming the file", "[npy]") {
+  // count x itemsize = 2^62 x 4 = 2^64 wraps to 0 (no data needed), and (2^61+1) x 8 wraps to 8 (one
+  // int64 present): both passed the truncation check and died in vector::resize with no file name.
+  TempDir tmp;
+  const std::string f4 = tmp.file("wrap_f4.npy"), i8 = tmp.file("wrap_i8.npy");
+  write_bytes(f4, make_npy(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2147483648, 2147483648, 1), }", {}));
+  write_bytes(i8, make_npy(1, "{'descr': '<i8', 'fortran_order': False, 'shape': (2305843009213693953,), }",
+                           std::vector<unsigned char>(8, 1)));
+  CHECK_THROWS_WITH(read_npy(f4), Contains(f4) && Contains("truncated data") && Contains("(2147483648, 2147483648, 1)"));
+  CHECK_THROWS_WITH(read_npy(i8), Contains(i8) && Contains("truncated data") && Contains("8 present"));
+}

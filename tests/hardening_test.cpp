@@ -283,6 +283,10 @@ TEST_CASE("a non-finite bias or repositioned key from finite input is an error",
   const Owned<float> layer(257, 2, 2, 32, 8, 8, 1.0);
   using P = Pipeline<AttentionMass, TopK<0, 4, 0>, NoRoute, Drop, InfiniteBias>;
   CHECK_THAT(error_of([&] { P{}.run(layer.view(), Budget::tokens(8)); }), Catch::Contains("bias[0] = inf of KV head 0"));
+  P::Arguments unchecked;  // check_finite waives the input checks only
+  unchecked.check_finite = false;
+  CHECK_THAT(error_of([&] { P(unchecked).run(layer.view(), Budget::tokens(8)); }),
+             Catch::Contains("bias[0] = inf of KV head 0"));
 
   // Keys finite but so large that rotating a pair overflows float.
   Owned<float> big(258, 1, 1, 32, 8, 8, 1.0);
@@ -291,6 +295,36 @@ TEST_CASE("a non-finite bias or repositioned key from finite input is an error",
   rope.reposition.enabled = true;
   CHECK_THAT(error_of([&] { StreamingLLM(rope).run(big.view(), Budget::tokens(8)); }),
              Catch::Contains("repositioned key [0][") && Catch::Contains("inf"));
+}
+
+TEST_CASE("merged values that overflow are an error, whatever check_finite says", "[hardening][pipeline]") {
+  // Finite values near FLT_MAX, all of one sign: the mass-weighted sums of a merge overflow float.
+  Owned<float> layer(259, 1, 2, 32, 8, 8, 1.0);
+  for (float& x : layer.v) x = 3e38f;
+  using P = Pipeline<AttentionMass, TopK<0, 4, 0>, BucketRouter<32>, MergeAll, NoCompensation>;
+  for (const bool checked : {true, false}) {
+    INFO("check_finite " << checked);
+    P::Arguments args;
+    args.check_finite = checked;
+    CHECK_THAT(error_of([&] { P(args).run(layer.view(), Budget::tokens(8)); }),
+               Catch::Contains("merged value [0][") && Catch::Contains("is not finite"));
+  }
+  // Values of ordinary size merge as before.
+  const Owned<float> ordinary(260, 1, 2, 32, 8, 8, 1.0);
+  P::Arguments unchecked;
+  unchecked.check_finite = false;
+  CHECK(all_finite(P(unchecked).run(ordinary.view(), Budget::tokens(8))));
+}
+
+TEST_CASE("GRKV's iteration counts are bounded", "[hardening][ridge]") {
+  SnapKVGRKV::Arguments args;
+  args.merger.steps = 1001;
+  const Owned<float> layer(261, 1, 1, 32, 8, 8, 1.0);
+  CHECK_THAT(SnapKVGRKV(args).validate(layer.view(), Budget::tokens(8)).message(), Catch::Contains("steps"));
+  args.merger.steps = 1;
+  args.merger.cg_max_iterations = std::numeric_limits<Index>::max();
+  CHECK_THAT(SnapKVGRKV(args).validate(layer.view(), Budget::tokens(8)).message(),
+             Catch::Contains("cg_max_iterations"));
 }
 
 TEST_CASE("every enum option is range-checked", "[hardening][options]") {

@@ -235,7 +235,8 @@ class Pipeline {
     typename Compensator::Arguments compensator{};
     RopeArguments reposition;  ///< off by default
     bool check_finite = true;  ///< reject NaN/Inf in K, V and the window queries; K and V are checked
-                               ///< through the logits / scores when a stage reads them anyway
+                               ///< through the logits / scores when a stage reads them anyway. Off
+                               ///< waives these input checks only: results are always checked
     Index threads = 1;  ///< worker threads over KV heads; <= 1 = serial, no thread is created (parallel.hpp)
   };
 
@@ -532,8 +533,16 @@ class Pipeline {
             throw error(detail::concat("gate ", e, " of KV head ", g, " is NaN: the merger left it unset (a merger must "
                                        "write every gate on every path) or computed it from sums that overflow"));
 
+      // Results are checked whatever check_finite says (it waives the input scans only): a merge of
+      // finite values near the type's limit can overflow, and a non-finite result is never returned.
+      if constexpr (!std::is_same_v<Merger, Drop>) {  // O(m_g·d); Drop only copies finite rows
+        Index i = 0, c = 0;
+        if (detail::find_unrepresentable<Real>(merged.values, i, c))
+          throw error(detail::concat("merged value [", g, "][", i, "][", c, "] = ", merged.values(i, c),
+                                     " is not finite: merging values this large overflows the arithmetic type"));
+      }
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
-      if (args_.check_finite && !out.bias.allFinite()) {  // O(m_g); finite input must give a finite bias
+      if (!out.bias.allFinite()) {  // O(m_g)
         Index i = 0;
         while (std::isfinite(out.bias[i])) ++i;
         throw error(detail::concat("bias[", i, "] = ", out.bias[i], " of KV head ", g, " is not finite although the ",
@@ -563,7 +572,7 @@ class Pipeline {
           rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
         // A rotation grows a pair's larger entry by up to √2: keys near the type's largest value overflow.
         Index i = 0, c = 0;
-        if (args_.check_finite && detail::find_unrepresentable<Real>(h.keys, i, c))
+        if (detail::find_unrepresentable<Real>(h.keys, i, c))
           throw error(detail::concat("repositioned key [", g, "][", i, "][", c, "] = ", h.keys(i, c), " (position ",
                                      h.positions[static_cast<std::size_t>(i)], ") is not finite although the input is: ",
                                      "rotating keys this large overflows the arithmetic type"));

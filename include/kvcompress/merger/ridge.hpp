@@ -761,12 +761,14 @@ inline Status RidgeMerge::validate(Index n, Index m) const {
     return bad("lambda_k", args.lambda_k, "finite and > 0");
   if (!(args.beta >= 0.0 && args.beta <= 1.0)) return bad("beta", args.beta, "in [0, 1]");
   if (args.sinks < 0) return bad("sinks", args.sinks, ">= 0");
-  if (args.steps < 0) return bad("steps", args.steps, ">= 0");
+  // Bounded so that no valid option runs for ever (each step and iteration costs O(G·W·n·d)).
+  if (args.steps < 0 || args.steps > 1000) return bad("steps", args.steps, "in [0, 1000]");
   if (args.order != Arguments::Order::value_then_key && args.order != Arguments::Order::key_then_value)
     return bad("order", static_cast<int>(args.order), "value_then_key or key_then_value");
   if (!(args.cg_tolerance >= 0.0) || !std::isfinite(args.cg_tolerance))
     return bad("cg_tolerance", args.cg_tolerance, "finite and >= 0");
-  if (args.cg_max_iterations < 0) return bad("cg_max_iterations", args.cg_max_iterations, ">= 0");
+  if (args.cg_max_iterations < 0 || args.cg_max_iterations > 100000)
+    return bad("cg_max_iterations", args.cg_max_iterations, "in [0, 100000]");
   return Status::ok();
 }
 

@@ -1,4 +1,5 @@
-// The kvcompress tool's subcommands (generate, eval, compress), kept in a header so tests can call them.
+// The kvcompress tool's subcommands (generate, eval, compress). run_command is what the tool, the demo
+// and the tests call; the definitions below are compiled once, in cli_commands.cpp (kvc_cli_methods).
 #pragma once
 
 #include "engine/eval.hpp"
@@ -21,6 +22,16 @@
 #include <string>
 #include <vector>
 
+namespace kvc::cli {
+
+/// Runs one subcommand (`argv[1]`); returns the exit code (2 for usage errors, 1 for failures).
+int run_command(int argc, char** argv, std::ostream& out, std::ostream& err);
+
+inline int main_entry(int argc, char** argv) { return run_command(argc, argv, std::cout, std::cerr); }
+
+}  // namespace kvc::cli
+
+#ifdef KVC_CLI_COMMANDS_DEFINE
 namespace kvc::cli {
 
 /// --key value / --flag arguments after the subcommand.
@@ -474,8 +485,7 @@ inline const char* usage() {
          "methods: full streaming snapkv selkv-evict selkv selkv-mergeall knorm grkv grkv-selkv grkv-streaming\n";
 }
 
-/// Runs one subcommand; returns the exit code (2 for usage errors, 1 for failures).
-inline int run_command(int argc, char** argv, std::ostream& out, std::ostream& err) {
+int run_command(int argc, char** argv, std::ostream& out, std::ostream& err) {
   if (argc < 2) {
     err << usage();
     return 2;
@@ -501,6 +511,6 @@ inline int run_command(int argc, char** argv, std::ostream& out, std::ostream& e
   }
 }
 
-inline int main_entry(int argc, char** argv) { return run_command(argc, argv, std::cout, std::cerr); }
-
 }  // namespace kvc::cli
+
+#endif  // KVC_CLI_COMMANDS_DEFINE

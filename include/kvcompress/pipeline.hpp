@@ -425,6 +425,18 @@ class Pipeline {
   Merger merger() const { return Merger{args_.merger}; }
   Compensator compensator() const { return Compensator{args_.compensator}; }
 
+  /// Whether KV head g's keys and values and its group's window queries are finite: known when
+  /// check_finite validated them, scanned otherwise (on error paths only).
+  template <class T>
+  bool input_finite(const LayerView<T>& layer, Index g) const {
+    if (args_.check_finite) return true;
+    if (!detail::head_finite(layer.keys, g) || !detail::head_finite(layer.values, g)) return false;
+    const Index group = layer.query_heads() / layer.kv_heads();
+    for (Index q = g * group; q < (g + 1) * group; ++q)
+      if (!detail::head_finite(layer.queries, q)) return false;
+    return true;
+  }
+
   template <class T>
   void run_unchecked(const LayerView<T>& layer, const std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
                      Workspace<compute_t<T>>& ws, bool release_scratch = false) const {
@@ -534,15 +546,17 @@ class Pipeline {
                                        "write every gate on every path) or computed it from sums that overflow"));
 
       // Results are checked whatever check_finite says (it waives the input scans only): a merge of
-      // finite values near the type's limit can overflow, and a non-finite result is never returned.
+      // finite values near the type's limit can overflow, and finite input never gives a non-finite
+      // result. With check_finite off the input is scanned on that error path alone, and non-finite
+      // input keeps its unspecified (non-finite) result.
       if constexpr (!std::is_same_v<Merger, Drop>) {  // O(m_g·d); Drop only copies finite rows
         Index i = 0, c = 0;
-        if (detail::find_unrepresentable<Real>(merged.values, i, c))
+        if (detail::find_unrepresentable<Real>(merged.values, i, c) && input_finite(layer, g))
           throw error(detail::concat("merged value [", g, "][", i, "][", c, "] = ", merged.values(i, c),
                                      " is not finite: merging values this large overflows the arithmetic type"));
       }
       compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
-      if (!out.bias.allFinite()) {  // O(m_g)
+      if (!out.bias.allFinite() && input_finite(layer, g)) {  // O(m_g)
         Index i = 0;
         while (std::isfinite(out.bias[i])) ++i;
         throw error(detail::concat("bias[", i, "] = ", out.bias[i], " of KV head ", g, " is not finite although the ",
@@ -572,7 +586,7 @@ class Pipeline {
           rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
         // A rotation grows a pair's larger entry by up to √2: keys near the type's largest value overflow.
         Index i = 0, c = 0;
-        if (detail::find_unrepresentable<Real>(h.keys, i, c))
+        if (detail::find_unrepresentable<Real>(h.keys, i, c) && input_finite(layer, static_cast<Index>(g)))
           throw error(detail::concat("repositioned key [", g, "][", i, "][", c, "] = ", h.keys(i, c), " (position ",
                                      h.positions[static_cast<std::size_t>(i)], ") is not finite although the input is: ",
                                      "rotating keys this large overflows the arithmetic type"));

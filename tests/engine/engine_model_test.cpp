@@ -3,9 +3,9 @@
 
 #include "support/test_main.hpp"
 
-#include "../../examples/engine/eval.hpp"
-#include "../../examples/engine/llama2.hpp"
-#include "../../examples/engine/model_path.hpp"
+#include "engine/eval.hpp"
+#include "engine/llama2.hpp"
+#include "engine/model_path.hpp"
 #include "support/test_utils.hpp"
 
 #include <chrono>

@@ -1,8 +1,8 @@
 // Tests of the engine's sampling helpers and bootstrap statistics (no model needed).
 #include <catch2/catch.hpp>
 
-#include "../../examples/engine/eval.hpp"
-#include "../../examples/engine/llama2.hpp"
+#include "engine/eval.hpp"
+#include "engine/llama2.hpp"
 
 #include <cmath>
 #include <cstdint>

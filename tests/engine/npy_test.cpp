@@ -1,7 +1,7 @@
 // Tests of examples/engine/npy.hpp (no model needed).
 #include <catch2/catch.hpp>
 
-#include "../../examples/engine/npy.hpp"
+#include "engine/npy.hpp"
 #include "support/test_utils.hpp"
 
 #include <Eigen/Core>

@@ -10,7 +10,7 @@
 #include <exception>
 
 int main(int argc, char* argv[]) {
-  if (const kvc::test::Precondition condition = kvc::test::precondition()) {
+  for (const kvc::test::Precondition condition : kvc::test::preconditions()) {
     const std::string why = condition();
     if (!why.empty()) {
       std::printf("skipped: %s\n", why.c_str());

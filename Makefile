@@ -6,7 +6,7 @@ CMAKE_ARGS ?=
 PACKAGES  := cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: deps configure build demo test test-sanitize bench clean fuzz-deps fuzz-build fuzz fuzz-ci
+.PHONY: deps configure build demo test sanitize-deps sanitize-build test-sanitize bench clean fuzz-build fuzz fuzz-ci
 
 deps:
 	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -31,31 +31,39 @@ test: deps
 	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
-# The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, -O1, assertions on (CI runs it
-# after `make test`; examples, benchmarks and compile-only checks are built once, by `make test`).
-test-sanitize: deps
-	cmake -S . -B $(BUILD)-sanitize -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_SANITIZE=ON \
-	  -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
-	cmake --build $(BUILD)-sanitize -j $(JOBS)
-	cd $(BUILD)-sanitize && ctest --output-on-failure -j $(JOBS)
+# The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, -O1, assertions on, built with clang
+# (installed with its sanitizer runtime when missing) beside the libFuzzer targets; `make fuzz-ci` runs
+# those for 30 s each from the same build. Examples, benchmarks and compile-only checks are built once,
+# by `make test`.
+SANITIZE_BUILD ?= $(BUILD)-sanitize
+FUZZ_JOBS      ?= 2
+FUZZ_TARGETS   ?= npy model tokenizer layer
+FUZZ_PACKAGES  := clang libclang-rt-14-dev
 
-# libFuzzer targets (fuzz/): clang with ASan + UBSan, one translation unit each at -O1, in $(FUZZ_BUILD).
-# `make fuzz` builds them and runs each for FUZZ_SECONDS, FUZZ_JOBS at a time; any finding fails.
-FUZZ_BUILD   ?= build-fuzz
-FUZZ_SECONDS ?= 300
-FUZZ_JOBS    ?= 2
-FUZZ_TARGETS ?= npy model tokenizer layer
-FUZZ_PACKAGES := clang libclang-rt-14-dev
-
-fuzz-deps:
-	@missing=""; for p in $(filter-out g++ catch2 libbenchmark-dev,$(PACKAGES)) $(FUZZ_PACKAGES); do \
-	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+sanitize-deps:
+	@missing=""; for p in $(PACKAGES) $(FUZZ_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "Installing missing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
-fuzz-build: fuzz-deps
+sanitize-build: sanitize-deps
+	cmake -S . -B $(SANITIZE_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON \
+	  -DKVC_SANITIZE=ON -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
+	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
+
+test-sanitize: sanitize-build
+	cd $(SANITIZE_BUILD) && ctest --output-on-failure -j $(JOBS)
+
+fuzz-ci: sanitize-build
+	fuzz/run.sh $(SANITIZE_BUILD) 30 $(FUZZ_JOBS) $(FUZZ_TARGETS)
+
+# libFuzzer targets alone (fuzz/), with debug information, in $(FUZZ_BUILD). `make fuzz` builds them and
+# runs each for FUZZ_SECONDS, FUZZ_JOBS at a time; any finding fails.
+FUZZ_BUILD   ?= build-fuzz
+FUZZ_SECONDS ?= 300
+
+fuzz-build: sanitize-deps
 	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_TESTS=OFF \
 	  -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
 	cmake --build $(FUZZ_BUILD) -j $(JOBS)
@@ -63,12 +71,8 @@ fuzz-build: fuzz-deps
 fuzz: fuzz-build
 	fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_JOBS) $(FUZZ_TARGETS)
 
-# CI: each target for 30 s.
-fuzz-ci:
-	$(MAKE) fuzz FUZZ_SECONDS=30
-
 bench: build
 	$(BUILD)/bench/kvc_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-sanitize $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(SANITIZE_BUILD) $(FUZZ_BUILD)

@@ -1,11 +1,9 @@
-// The synthetic demo: compresses a structured random cache with each preset and prints a table.
-// Used by kvc_demo when the real model is absent.
+// A structured random cache: kvc_demo's data when the real model is absent, and the benchmarks' data.
 #pragma once
 
-#include <kvcompress/kvcompress.hpp>
+#include <kvcompress/core.hpp>
 
-#include <chrono>
-#include <cstdio>
+#include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
@@ -43,31 +41,5 @@ struct SyntheticLayer {
             make_head_major<const float>(queries.data(), query_heads, window, dim)};
   }
 };
-
-template <class Preset>
-void demo_row(const char* name, const LayerView<float>& layer, double ratio) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto result = Preset{}.run(layer, Budget::ratio(ratio));
-  const auto t1 = std::chrono::steady_clock::now();
-  const double err = window_output_error(layer, result);
-  std::printf("  %-14s %5.2f %8td %12.4f %10.1f\n", name, ratio, result.max_size(), err,
-              std::chrono::duration<double, std::milli>(t1 - t0).count());
-}
-
-inline void run_synthetic_demo() {
-  const SyntheticLayer synth(2026);
-  const auto layer = synth.view();
-  std::printf("Synthetic layer: Hkv=%td Hq=%td n=%td d=%td W=%td (float)\n", synth.kv_heads, synth.query_heads,
-              synth.tokens, synth.dim, synth.window);
-  std::printf("  %-14s %5s %8s %12s %10s\n", "method", "ratio", "kept", "window_err", "time_ms");
-  for (double ratio : {0.1, 0.25, 0.5}) {
-    demo_row<StreamingLLM>("streaming", layer, ratio);
-    demo_row<SnapKV>("snapkv", layer, ratio);
-    demo_row<SelKVEvict>("selkv-evict", layer, ratio);
-    demo_row<SelKV>("selkv", layer, ratio);
-    demo_row<SelKVMergeAll>("selkv-mergeall", layer, ratio);
-  }
-  std::printf("window_err = ||Y_full - Y_compressed||_F / ||Y_full||_F on the observation window.\n");
-}
 
 }  // namespace kvc::demo

@@ -1,4 +1,5 @@
-// A downstream program: compresses a small synthetic layer with SelKV and checks the result's shape.
+// A downstream program: compresses a small synthetic layer and checks the result's shape. StreamingLLM:
+// the packaging is under test here, and it compiles fastest.
 #include <kvcompress/kvcompress.hpp>
 
 #include <cstdio>
@@ -13,7 +14,7 @@ int main() {
   kvc::LayerView<float> layer{kvc::make_head_major<const float>(keys.data(), kv_heads, n, d),
                               kvc::make_head_major<const float>(values.data(), kv_heads, n, d),
                               kvc::make_head_major<const float>(queries.data(), query_heads, window, d)};
-  const auto result = kvc::SelKV{}.run(layer, kvc::Budget::tokens(16));
+  const auto result = kvc::StreamingLLM{}.run(layer, kvc::Budget::tokens(16));
   for (const auto& head : result.heads)
     if (head.size() != 16) return 1;
   std::printf("kvcompress %s consumer ok\n", kvc::version_string());

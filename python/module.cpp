@@ -7,6 +7,7 @@
 
 #include "runner.hpp"
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -114,11 +115,11 @@ std::string type_name(py::handle v) { return py::str(py::type::of(v).attr("__nam
 
 Index as_int(const std::string& key, py::handle v) {
   if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr()))
-    throw py::type_error("option " + key + " expects an integer, got " + type_name(v));
+    throw py::type_error(key + " expects an integer, got " + type_name(v));
   const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
   if (!index) {  // e.g. an array of several elements (which has __index__)
     PyErr_Clear();
-    throw py::type_error("option " + key + " expects an integer, got " + type_name(v));
+    throw py::type_error(key + " expects an integer, got " + type_name(v));
   }
   const long long x = PyLong_AsLongLong(index.ptr());
   if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
@@ -128,20 +129,20 @@ Index as_int(const std::string& key, py::handle v) {
 double as_number(const std::string& key, py::handle v) {
   if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyIndex_Check(v.ptr()) || py::hasattr(v, "__float__")) ||
       PyUnicode_Check(v.ptr()))
-    throw py::type_error("option " + key + " expects a number, got " + type_name(v));
+    throw py::type_error(key + " expects a number, got " + type_name(v));
   const double x = PyFloat_AsDouble(v.ptr());
   if (x == -1.0 && PyErr_Occurred()) throw py::error_already_set();
-  if (!std::isfinite(x)) throw py::value_error("option " + key + " expects a finite number, got " + std::to_string(x));
+  if (!std::isfinite(x)) throw py::value_error(key + " expects a finite number, got " + std::to_string(x));
   return x;
 }
 
 std::string as_text(const std::string& key, py::handle v) {
-  if (!PyUnicode_Check(v.ptr())) throw py::type_error("option " + key + " expects a string, got " + type_name(v));
+  if (!PyUnicode_Check(v.ptr())) throw py::type_error(key + " expects a string, got " + type_name(v));
   return v.cast<std::string>();
 }
 
 bool as_flag(const std::string& key, py::handle v) {
-  if (!PyBool_Check(v.ptr())) throw py::type_error("option " + key + " expects True or False, got " + type_name(v));
+  if (!PyBool_Check(v.ptr())) throw py::type_error(key + " expects True or False, got " + type_name(v));
   return v.ptr() == Py_True;
 }
 
@@ -361,8 +362,10 @@ LayerInputs layer_inputs(py::handle keys, py::handle values, py::handle queries)
   return in;
 }
 
-Result compress(py::handle keys, py::handle values, py::handle queries, const std::string& method, py::handle ratio,
-                py::handle budget, py::handle threads, const py::kwargs& kwargs) {
+/// compress(); with `seconds`, the time of the library call alone (python/bench_overhead.py).
+Result compress_impl(py::handle keys, py::handle values, py::handle queries, const std::string& method,
+                     py::handle ratio, py::handle budget, py::handle threads, const py::kwargs& kwargs,
+                     double* seconds) {
   const LayerInputs in = layer_inputs(keys, values, queries);
   const cli::MethodOptions options = method_options(kwargs);
   const Index t = thread_count(threads);
@@ -370,18 +373,29 @@ Result compress(py::handle keys, py::handle values, py::handle queries, const st
   auto store = std::make_shared<Store>();
   store->tokens = in.keys.shape[1];
   store->dim = in.keys.shape[2];
-  if (in.keys.dtype == Dtype::f32) {
-    const auto runner = make_runner<float>(method, options, t);
-    const auto layer = layer_of<float>(in.keys, in.values, in.queries);
+  const auto run = [&](const auto& runner, const auto& layer) {
     py::gil_scoped_release nogil;
+    const auto t0 = std::chrono::steady_clock::now();
     store->result = runner->run(layer, b);
-  } else {
-    const auto runner = make_runner<Eigen::half>(method, options, t);
-    const auto layer = layer_of<Eigen::half>(in.keys, in.values, in.queries);
-    py::gil_scoped_release nogil;
-    store->result = runner->run(layer, b);
-  }
+    if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (in.keys.dtype == Dtype::f32)
+    run(make_runner<float>(method, options, t), layer_of<float>(in.keys, in.values, in.queries));
+  else
+    run(make_runner<Eigen::half>(method, options, t), layer_of<Eigen::half>(in.keys, in.values, in.queries));
   return Result(std::move(store));
+}
+
+Result compress(py::handle keys, py::handle values, py::handle queries, const std::string& method, py::handle ratio,
+                py::handle budget, py::handle threads, const py::kwargs& kwargs) {
+  return compress_impl(keys, values, queries, method, ratio, budget, threads, kwargs, nullptr);
+}
+
+py::tuple compress_timed(py::handle keys, py::handle values, py::handle queries, const std::string& method,
+                         py::handle ratio, py::handle budget, py::handle threads, const py::kwargs& kwargs) {
+  double seconds = 0;
+  Result r = compress_impl(keys, values, queries, method, ratio, budget, threads, kwargs, &seconds);
+  return py::make_tuple(std::move(r), seconds);
 }
 
 /// A method with its options, its result and its workspace kept from call to call: with repeating
@@ -538,6 +552,11 @@ PYBIND11_MODULE(kvcompress, m) {
         py::kw_only(), py::arg("ratio") = py::none(), py::arg("budget") = py::none(), py::arg("threads") = 1,
         "Compresses one layer: keys, values [Hkv][n][d], queries [Hq][W][d] (float32 or float16, any strides).\n"
         "ratio= or budget= (an int, or one per KV head); options as the CLI's (r_max for --r-max).");
+
+  m.def("_compress_timed", &compress_timed, py::arg("keys"), py::arg("values"), py::arg("queries"),
+        py::arg("method") = "selkv", py::kw_only(), py::arg("ratio") = py::none(), py::arg("budget") = py::none(),
+        py::arg("threads") = 1,
+        "As compress; returns (result, seconds of the library call alone), for python/bench_overhead.py.");
 
   py::class_<Compressor>(m, "Compressor", "A method with its options; keeps its result and workspace between calls.")
       .def(py::init<const std::string&, py::handle, const py::kwargs&>(), py::arg("method") = "selkv", py::kw_only(),

@@ -151,6 +151,13 @@ def test_threads_give_the_same_bits():
         same(kc.compress(k, v, q, method, threads=1), kc.compress(k, v, q, method, threads=3))
 
 
+def test_compress_timed_is_compress():
+    k, v, q = layer(25)
+    r, seconds = kc._compress_timed(k, v, q, "snapkv", budget=64)
+    same(r, kc.compress(k, v, q, "snapkv", budget=64))
+    assert 0 < seconds < 10
+
+
 # ---- strided inputs, read in place ----------------------------------------------------------------
 
 def test_token_major_and_sliced_views_equal_contiguous():
@@ -313,12 +320,12 @@ def test_method_and_option_errors():
     raises(ValueError, "option --pool does not apply to method 'full'", c, k, v, q, "full", pool=3)
     raises(TypeError, "unknown option 'ratoi'", c, k, v, q, ratoi=0.3)
     raises(TypeError, "give either lambda or lambda_", c, k, v, q, "grkv", **{"lambda": 0.1, "lambda_": 0.2})
-    raises(TypeError, "option pool expects an integer, got float", c, k, v, q, "snapkv", pool=5.0)
-    raises(TypeError, "option pool expects an integer, got bool", c, k, v, q, "snapkv", pool=True)
-    raises(TypeError, "option alpha expects a number, got str", c, k, v, q, "selkv", alpha="0.5")
-    raises(ValueError, "option alpha expects a finite number", c, k, v, q, "selkv", alpha=float("nan"))
-    raises(TypeError, "option route expects a string", c, k, v, q, "selkv", route=1)
-    raises(TypeError, "option safeguard expects True or False", c, k, v, q, "grkv", safeguard=1)
+    raises(TypeError, "pool expects an integer, got float", c, k, v, q, "snapkv", pool=5.0)
+    raises(TypeError, "pool expects an integer, got bool", c, k, v, q, "snapkv", pool=True)
+    raises(TypeError, "alpha expects a number, got str", c, k, v, q, "selkv", alpha="0.5")
+    raises(ValueError, "alpha expects a finite number", c, k, v, q, "selkv", alpha=float("nan"))
+    raises(TypeError, "route expects a string", c, k, v, q, "selkv", route=1)
+    raises(TypeError, "safeguard expects True or False", c, k, v, q, "grkv", safeguard=1)
     raises(ValueError, "--pooling must be avg, max or none, got 'mean'", c, k, v, q, "snapkv", pooling="mean")
     raises(ValueError, "--route must be key-cosine", c, k, v, q, "selkv", route="nearest")
     raises(ValueError, "--selection must be shared or per-head", c, k, v, q, "selkv", selection="each")
@@ -345,6 +352,7 @@ def test_budget_and_thread_errors():
     raises(TypeError, "ratio expects a number", c, k, v, q, ratio="0.5")
     raises(ValueError, "threads must be >= 1, got 0", c, k, v, q, threads=0)
     raises(ValueError, "threads must be >= 1", kc.Compressor, "snapkv", threads=-1)
+    raises(TypeError, "threads expects an integer, got str", c, k, v, q, threads="2")
 
 
 def test_decode_attention_errors():
@@ -362,27 +370,33 @@ def test_decode_attention_errors():
     raises(ValueError, r"lengths: expected 2 entries", d, qd, k, v, None, [5])
     raises(ValueError, r"lengths\[1\] = 0 is outside \[1, 300\]", d, qd, k, v, None, [5, 0])
     raises(ValueError, r"lengths\[0\] = 301 is outside", d, qd, k, v, None, [301, 5])
+    raises(TypeError, "lengths expects an integer, got float", d, qd, k, v, None, [1.5, 5])
     raises(ValueError, "attention.scale must be finite and >= 0", d, qd, k, v, scale=-1.0)
     raises(ValueError, "attention.softcap", d, qd, k, v, softcap=float("inf"))
 
 
 def test_compressor_used_by_two_threads_at_once_is_an_error():
-    k, v, q = layer(22, n=8192, hkv=4, hq=16, w=32, d=64)
+    k, v, q = layer(22, n=16384, hkv=4, hq=16, w=32, d=64)
     c = kc.Compressor("grkv")
-    errors = []
+    errors, started = [], threading.Event()
 
     def run():
+        started.set()
         try:
             c.compress(k, v, q)
         except RuntimeError as e:
             errors.append(str(e))
 
-    ts = [threading.Thread(target=run) for _ in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert all("running in another thread" in e for e in errors)
+    worker = threading.Thread(target=run)
+    worker.start()
+    started.wait()
+    time.sleep(0.05)  # the worker is inside compress by now, the GIL released
+    try:
+        c.compress(k, v, q)
+    except RuntimeError as e:
+        errors.append(str(e))
+    worker.join()
+    assert len(errors) == 1 and "running in another thread" in errors[0], errors
 
 
 # ---- the GIL ----------------------------------------------------------------------------------------

@@ -337,8 +337,9 @@ class Result {
         const auto& h = res().heads[g];
         const RowMatrix<float>& M = values ? h.values : h.keys;
         float* dst = p + g * w * d;
-        if (M.cols() == d)  // row-major, rows contiguous
-          std::memcpy(dst, M.data(), sizeof(float) * static_cast<std::size_t>(h.size() * d));
+        if (M.cols() != d || M.rows() < h.size())
+          throw std::runtime_error("kvcompress: a head's result matrix has an unexpected shape");
+        std::memcpy(dst, M.data(), sizeof(float) * static_cast<std::size_t>(h.size() * d));  // row-major (m_g, d)
         std::memset(dst + h.size() * d, 0, sizeof(float) * static_cast<std::size_t>((w - h.size()) * d));
       }
     });

@@ -1,15 +1,26 @@
 # Thin wrapper over CMake. `make demo` and `make test` are the README's two set-up commands: each
-# installs the Debian packages it needs when they are missing, configures, builds and runs.
+# installs the Debian packages it needs when they are missing, configures, builds and runs. `make
+# python` builds the Python module.
 BUILD     ?= build
 JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
 PACKAGES  := cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev
+# The Python module (python/) and its tests: `make python` and `make test` install these as well.
+PYTHON_PACKAGES := pybind11-dev python3-dev python3-numpy python3-pytest
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: deps configure build demo test sanitize-deps sanitize-build test-sanitize bench clean fuzz-build fuzz fuzz-ci
+.PHONY: deps python-deps configure build demo test python sanitize-deps sanitize-build test-sanitize bench clean \
+        fuzz-build fuzz fuzz-ci
 
 deps:
 	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "Installing missing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+python-deps: deps
+	@missing=""; for p in $(PYTHON_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "Installing missing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
@@ -26,10 +37,15 @@ demo: deps
 	cmake --build $(BUILD) -j $(JOBS) --target kvc_demo
 	$(BUILD)/examples/kvc_demo
 
-test: deps
+test: python-deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The Python module into $(BUILD)/python/: PYTHONPATH=$(BUILD)/python python3 -c "import kvcompress".
+python: python-deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	cmake --build $(BUILD) -j $(JOBS) --target kvcompress_python
 
 # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, -O1, assertions on, built with clang
 # (installed with its sanitizer runtime when missing) beside the libFuzzer targets; `make fuzz-ci` runs
@@ -49,7 +65,8 @@ sanitize-deps:
 
 sanitize-build: sanitize-deps
 	cmake -S . -B $(SANITIZE_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON \
-	  -DKVC_SANITIZE=ON -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
+	  -DKVC_SANITIZE=ON -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_PYTHON=OFF \
+	  $(CMAKE_ARGS)
 	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
 
 test-sanitize: sanitize-build
@@ -64,8 +81,8 @@ FUZZ_BUILD   ?= build-fuzz
 FUZZ_SECONDS ?= 300
 
 fuzz-build: sanitize-deps
-	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_TESTS=OFF \
-	  -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_TESTS=OFF -DKVC_BUILD_PYTHON=OFF \
+	  -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_PYTHON=OFF $(CMAKE_ARGS)
 	cmake --build $(FUZZ_BUILD) -j $(JOBS)
 
 fuzz: fuzz-build

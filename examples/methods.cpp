@@ -4,19 +4,11 @@
 namespace kvc::cli {
 
 Compressor make_method(const std::string& name, const MethodOptions& o) {
-  if (name == "full") return detail::make<FullCache>(o, name);
-  if (name == "streaming") return detail::make<StreamingLLM>(o, name);
-  if (name == "snapkv") return detail::make<SnapKV>(o, name);
-  if (name == "selkv-evict") return detail::make<SelKVEvict>(o, name);
-  if (name == "selkv") return detail::make<SelKV>(o, name);
-  if (name == "selkv-mergeall") return detail::make<SelKVMergeAll>(o, name);
-  if (name == "knorm") return detail::make<KNorm>(o, name);
-  if (name == "grkv") return detail::make<SnapKVGRKV>(o, name);
-  if (name == "grkv-selkv") return detail::make<SelKVEvictGRKV>(o, name);
-  if (name == "grkv-streaming") return detail::make<StreamingLLMGRKV>(o, name);
-  std::string known;
-  for (const auto& n : method_names()) known += (known.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("unknown method '" + name + "' (known: " + known + ")");
+  return visit_method(name, [&](auto tag) -> Compressor {
+    using Preset = typename decltype(tag)::type;
+    const Preset preset(method_arguments<Preset>(o, name));
+    return [preset](const LayerView<float>& layer, const Budget& budget) { return preset.run(layer, budget); };
+  });
 }
 
 }  // namespace kvc::cli

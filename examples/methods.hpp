@@ -109,15 +109,42 @@ void apply(Args& a, const MethodOptions& o, const std::string& method) {
   }
 }
 
+}  // namespace detail
+
+/// The preset type a method name stands for, passed to visit_method's function.
 template <class Preset>
-Compressor make(const MethodOptions& o, const std::string& method) {
-  typename Preset::Arguments args;
-  apply(args, o, method);
-  const Preset preset(args);
-  return [preset](const LayerView<float>& layer, const Budget& budget) { return preset.run(layer, budget); };
+struct PresetTag {
+  using type = Preset;
+};
+
+/// The method table, written once: returns f(PresetTag<Preset>{}) for the preset named `name`;
+/// throws std::invalid_argument for an unknown name. methods.cpp instantiates it for the tool (float,
+/// one-shot runs); the Python module (python/) for its own entry points.
+template <class F>
+auto visit_method(const std::string& name, F&& f) {
+  if (name == "full") return f(PresetTag<FullCache>{});
+  if (name == "streaming") return f(PresetTag<StreamingLLM>{});
+  if (name == "snapkv") return f(PresetTag<SnapKV>{});
+  if (name == "selkv-evict") return f(PresetTag<SelKVEvict>{});
+  if (name == "selkv") return f(PresetTag<SelKV>{});
+  if (name == "selkv-mergeall") return f(PresetTag<SelKVMergeAll>{});
+  if (name == "knorm") return f(PresetTag<KNorm>{});
+  if (name == "grkv") return f(PresetTag<SnapKVGRKV>{});
+  if (name == "grkv-selkv") return f(PresetTag<SelKVEvictGRKV>{});
+  if (name == "grkv-streaming") return f(PresetTag<StreamingLLMGRKV>{});
+  std::string known;
+  for (const auto& n : method_names()) known += (known.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown method '" + name + "' (known: " + known + ")");
 }
 
-}  // namespace detail
+/// The preset's Arguments for a method with the given options (unset ones keep the preset's
+/// defaults); throws std::invalid_argument for an option that does not apply to the method.
+template <class Preset>
+typename Preset::Arguments method_arguments(const MethodOptions& o, const std::string& method) {
+  typename Preset::Arguments args;
+  detail::apply(args, o, method);
+  return args;
+}
 
 /// The compressor for a method name; throws std::invalid_argument naming the problem for an
 /// unknown method or an option that does not apply to it. Defined in methods.cpp, so that the presets

@@ -1,0 +1,69 @@
+// The Python module's view of a method: the preset the CLI's table (examples/methods.hpp) names, with
+// its options, behind a virtual call per element type, so that the presets are compiled in two units
+// (runner_float.cpp, runner_half.cpp) instead of in the binding itself.
+#pragma once
+
+#include "methods.hpp"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvc::python {
+
+/// Per-KV-head token counts, or one ratio / count for every head.
+struct BudgetSpec {
+  bool per_head = false;
+  Budget budget = Budget::ratio(0.25);
+  std::vector<Index> budgets;
+};
+
+template <class T>
+class Runner {
+ public:
+  virtual ~Runner() = default;
+  /// One-shot: the library's run(layer, budget), new memory.
+  virtual LayerResult<float> run(const LayerView<T>& layer, const BudgetSpec& budget) const = 0;
+  /// Reusing out and ws: the library's run(layer, budget, out, ws).
+  virtual void run(const LayerView<T>& layer, const BudgetSpec& budget, LayerResult<float>& out,
+                   Workspace<float>& ws) const = 0;
+};
+
+namespace detail {
+
+template <class T, class Preset>
+class PresetRunner final : public Runner<T> {
+ public:
+  explicit PresetRunner(const typename Preset::Arguments& args) : preset_(args) {}
+  LayerResult<float> run(const LayerView<T>& layer, const BudgetSpec& b) const override {
+    return b.per_head ? preset_.run(layer, b.budgets) : preset_.run(layer, b.budget);
+  }
+  void run(const LayerView<T>& layer, const BudgetSpec& b, LayerResult<float>& out, Workspace<float>& ws) const override {
+    if (b.per_head) preset_.run(layer, b.budgets, out, ws);
+    else preset_.run(layer, b.budget, out, ws);
+  }
+
+ private:
+  Preset preset_;
+};
+
+}  // namespace detail
+
+/// The runner for a method name and the CLI's options, `threads` worker threads; throws
+/// std::invalid_argument (the CLI's messages) for an unknown method or an option that does not apply.
+template <class T>
+std::unique_ptr<Runner<T>> make_runner(const std::string& method, const cli::MethodOptions& options, Index threads) {
+  return cli::visit_method(method, [&](auto tag) -> std::unique_ptr<Runner<T>> {
+    using Preset = typename decltype(tag)::type;
+    auto args = cli::method_arguments<Preset>(options, method);
+    args.threads = threads;
+    return std::make_unique<detail::PresetRunner<T, Preset>>(args);
+  });
+}
+
+// Instantiated once each, in runner_float.cpp and runner_half.cpp.
+extern template std::unique_ptr<Runner<float>> make_runner<float>(const std::string&, const cli::MethodOptions&, Index);
+extern template std::unique_ptr<Runner<Eigen::half>> make_runner<Eigen::half>(const std::string&,
+                                                                              const cli::MethodOptions&, Index);
+
+}  // namespace kvc::python

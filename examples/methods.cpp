@@ -1,14 +1,16 @@
-// The method registry's one compiled unit: every preset the tool offers is instantiated here only.
+// The tool's compressor for a method name: the float runner (runner.hpp), compiled in runner_float.cpp.
 #include "methods.hpp"
+#include "runner.hpp"
+
+#include <memory>
 
 namespace kvc::cli {
 
 Compressor make_method(const std::string& name, const MethodOptions& o) {
-  return visit_method(name, [&](auto tag) -> Compressor {
-    using Preset = typename decltype(tag)::type;
-    const Preset preset(method_arguments<Preset>(o, name));
-    return [preset](const LayerView<float>& layer, const Budget& budget) { return preset.run(layer, budget); };
-  });
+  std::shared_ptr<const Runner<float>> runner = make_runner<float>(name, o, 1);  // serial, as the presets default
+  return [runner](const LayerView<float>& layer, const Budget& budget) {
+    return runner->run(layer, BudgetSpec{false, budget, {}});
+  };
 }
 
 }  // namespace kvc::cli

@@ -22,6 +22,10 @@ namespace py = pybind11;
 namespace kvc::python {
 namespace {
 
+using cli::BudgetSpec;
+using cli::make_runner;
+using cli::Runner;
+
 // ---- inputs ---------------------------------------------------------------------------------------
 
 /// An ndarray, or numpy.asarray of an array-like (a CPU torch tensor gives a view of its memory).

@@ -1,6 +1,6 @@
-// The Python module's view of a method: the preset the CLI's table (examples/methods.hpp) names, with
-// its options, behind a virtual call per element type, so that the presets are compiled in two units
-// (runner_float.cpp, runner_half.cpp) instead of in the binding itself.
+// A method behind a virtual call per element type: the preset the CLI's table (methods.hpp) names, with
+// its options. The presets are compiled once, in runner_float.cpp and runner_half.cpp (target
+// kvc_cli_methods), for the tool, the tests and the Python module.
 #pragma once
 
 #include "methods.hpp"
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace kvc::python {
+namespace kvc::cli {
 
 /// Per-KV-head token counts, or one ratio / count for every head.
 struct BudgetSpec {
@@ -52,18 +52,18 @@ class PresetRunner final : public Runner<T> {
 /// The runner for a method name and the CLI's options, `threads` worker threads; throws
 /// std::invalid_argument (the CLI's messages) for an unknown method or an option that does not apply.
 template <class T>
-std::unique_ptr<Runner<T>> make_runner(const std::string& method, const cli::MethodOptions& options, Index threads) {
-  return cli::visit_method(method, [&](auto tag) -> std::unique_ptr<Runner<T>> {
+std::unique_ptr<Runner<T>> make_runner(const std::string& method, const MethodOptions& options, Index threads) {
+  return visit_method(method, [&](auto tag) -> std::unique_ptr<Runner<T>> {
     using Preset = typename decltype(tag)::type;
-    auto args = cli::method_arguments<Preset>(options, method);
+    auto args = method_arguments<Preset>(options, method);
     args.threads = threads;
     return std::make_unique<detail::PresetRunner<T, Preset>>(args);
   });
 }
 
 // Instantiated once each, in runner_float.cpp and runner_half.cpp.
-extern template std::unique_ptr<Runner<float>> make_runner<float>(const std::string&, const cli::MethodOptions&, Index);
+extern template std::unique_ptr<Runner<float>> make_runner<float>(const std::string&, const MethodOptions&, Index);
 extern template std::unique_ptr<Runner<Eigen::half>> make_runner<Eigen::half>(const std::string&,
-                                                                              const cli::MethodOptions&, Index);
+                                                                              const MethodOptions&, Index);
 
-}  // namespace kvc::python
+}  // namespace kvc::cli

@@ -1,6 +1,0 @@
-// Every preset instantiated for float16 caches (see runner.hpp).
-#include "runner.hpp"
-
-namespace kvc::python {
-template std::unique_ptr<Runner<Eigen::half>> make_runner<Eigen::half>(const std::string&, const cli::MethodOptions&, Index);
-}  // namespace kvc::python

@@ -294,10 +294,11 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
   Routing routing;
   const double per = time_iterations(state, [&] {
     for (Index g = 0; g < H; ++g) {
-      const HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
-      static_assert(detail::fills_keys<BucketRouter<32>>::value && detail::fills_values<SoftGate>::value,
+      HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
+      ctx.set_streaming_stores(streaming);
+      static_assert(policy_traits<BucketRouter<32>>::fills_keys && policy_traits<SoftGate>::fills_values,
                     "as in the pipeline: the router writes the kept keys and SoftGate every value row");
-      BucketRouter<32>{}.route(ctx, routing, merged[g].keys, KeptKeyStores{streaming});
+      BucketRouter<32>{}.route(ctx, routing, merged[g].keys);
       SoftGate{}.merge(ctx, routing, merged[g]);
       AttentionRatio{}.compensate(ctx, routing, merged[g], bias);
       benchmark::DoNotOptimize(bias.data());

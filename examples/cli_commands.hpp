@@ -472,7 +472,9 @@ inline int cmd_compress(Args& a, std::ostream& out) {
   return 0;
 }
 
-inline const char* usage() {
+inline std::string usage() {
+  std::string methods;
+  for (const auto& name : method_names()) methods += " " + name;
   return "usage: kvcompress <generate|eval|compress> [options]\n"
          "  generate --prompt TEXT --method M (--ratio R | --budget M) [--max-tokens 128] [--window 32]\n"
          "  eval     [--tokens F.npy | --samples 24 --seed 1 --length 512] --prefix 384 --methods a,b --ratios r1,r2\n"
@@ -482,7 +484,7 @@ inline const char* usage() {
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
          "  --lambda --beta --steps --safeguard --reposition\n"
-         "methods: full streaming snapkv selkv-evict selkv selkv-mergeall knorm grkv grkv-selkv grkv-streaming\n";
+         "methods:" + methods + "\n";
 }
 
 int run_command(int argc, char** argv, std::ostream& out, std::ostream& err) {

@@ -35,7 +35,9 @@ struct ValueNorm {
 struct MeanMerge {
   struct Arguments {};
   Arguments args;
-  static constexpr bool needs_routing = true;  // composing it with kvc::NoRoute fails to compile
+  struct traits : kvc::PolicyTraits {
+    static constexpr bool needs_routing = true;  // composing it with kvc::NoRoute fails to compile
+  };
 
   kvc::Status validate(kvc::Index /*n*/, kvc::Index /*m*/) const { return kvc::Status::ok(); }
 

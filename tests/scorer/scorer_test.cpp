@@ -101,22 +101,22 @@ void check_scorer(const char* name, const kvc::test::Tol& tol) {
 }  // namespace
 
 TEST_CASE("AttentionMass scores are the window mass", "[scorer]") {
-  STATIC_REQUIRE(AttentionMass::needs_mass);
+  STATIC_REQUIRE(policy_traits<AttentionMass>::needs_mass);
   check_scorer<AttentionMass>("AttentionMass", kTol.float_vs_double.mass);
 }
 
 TEST_CASE("ValueWeighted scores are mass times value norm (SelKV Eq. 1)", "[scorer]") {
-  STATIC_REQUIRE(ValueWeighted::needs_mass);
+  STATIC_REQUIRE(policy_traits<ValueWeighted>::needs_mass);
   check_scorer<ValueWeighted>("ValueWeighted", kTol.float_vs_double.mass);
 }
 
 TEST_CASE("KeyNorm scores are minus the key norm", "[scorer]") {
-  STATIC_REQUIRE_FALSE(KeyNorm::needs_mass);
+  STATIC_REQUIRE_FALSE(policy_traits<KeyNorm>::needs_mass);
   check_scorer<KeyNorm>("KeyNorm", kTol.float_vs_double.values);
 }
 
 TEST_CASE("Position scores are the positions, exactly", "[scorer]") {
-  STATIC_REQUIRE_FALSE(Position::needs_mass);
+  STATIC_REQUIRE_FALSE(policy_traits<Position>::needs_mass);
   check_scorer<Position>("Position", kTol.float_vs_double.values);
   // Exact integers, whatever the mass says.
   auto rng = kvc::test::make_rng(302);

@@ -386,6 +386,72 @@ void probabilities_times_values(const LayerView<T>& layer, Index g, const RowMat
 }
 }  // namespace detail
 
+/// Window outputs Y = A·V_g (G·W, d) of KV head g straight from the layer. For float arithmetic one
+/// fused pass per key tile (flash-attention style): logits (G·W, tile) by one product, the online causal
+/// softmax epilogue (simd::softmax_tile), the tile's contribution exps·V_tile, the running outputs
+/// rescaled when a row's maximum grows; the (G·W, n) probabilities are never stored. Equals
+/// window_probabilities(...)·V up to rounding. Cost: two (G·W × d × n) products + G·W·n exponentials;
+/// memory O(G·W·(tile + d)).
+template <class Real, class T>
+void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments& args, RowMatrix<Real>& Y) {
+  const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
+  const Index R = G * W;
+  if constexpr (std::is_same_v<Real, float>) {
+    using Arch = simd::default_arch;
+    constexpr Index tile = detail::kSoftmaxTile;
+    const float scale = static_cast<float>(args.resolved_scale(d));
+    const float cap = static_cast<float>(args.softcap);
+    const RowMatrix<float> q = gather_group_queries<float>(layer, g);  // (R, d)
+    RowMatrix<float> exps(R, tile), part(R, d), ktile, vtile;           // (R, tile), (R, d)
+    if constexpr (!std::is_same_v<T, float>) {
+      ktile.resize(std::min(tile, n), d);
+      vtile.resize(std::min(tile, n), d);
+    }
+    Vector<float> row_max = Vector<float>::Constant(R, -std::numeric_limits<float>::infinity());
+    Vector<float> row_sum = Vector<float>::Zero(R), shift(R);
+    Vector<float> applied = row_max;  // (R) the maximum Y's rows are currently relative to
+    std::vector<Index> live(static_cast<std::size_t>(R));
+    Y.setZero(R, d);
+    for (Index j0 = 0; j0 < n; j0 += tile) {
+      const Index cnt = std::min(tile, n - j0);
+      auto block = exps.leftCols(cnt);
+      if constexpr (std::is_same_v<T, float>) {
+        block.noalias() = scale * (q * detail::map_rows<float>(layer.keys, g, j0, cnt).transpose());
+      } else {
+        auto keys = ktile.topRows(cnt);
+        detail::gather_rows<float>(layer.keys, g, j0, cnt, keys);
+        block.noalias() = scale * (q * keys.transpose());
+      }
+      for (Index r = 0; r < R; ++r) live[static_cast<std::size_t>(r)] = n - W + r % W + 1 - j0;
+      simd::softmax_tile<Arch>(exps.data(), tile, R, cnt, live.data(), cap, row_max.data(), row_sum.data(),
+                               shift.data());
+      if constexpr (std::is_same_v<T, float>) {
+        part.noalias() = block * detail::map_rows<float>(layer.values, g, j0, cnt);
+      } else {
+        auto values = vtile.topRows(cnt);
+        detail::gather_rows<float>(layer.values, g, j0, cnt, values);
+        part.noalias() = block * values;
+      }
+      for (Index r = 0; r < R; ++r) {
+        if (shift[r] != applied[r]) {  // the row's maximum grew: rescale what was accumulated
+          if (applied[r] != -std::numeric_limits<float>::infinity())
+            Y.row(r) *= std::exp(applied[r] - shift[r]);
+          applied[r] = shift[r];
+        }
+        Y.row(r) += part.row(r);
+      }
+    }
+    for (Index r = 0; r < R; ++r)
+      if (row_sum[r] > 0.0f) Y.row(r) *= 1.0f / row_sum[r];
+  } else {  // the reference path: probabilities, then one product
+    RowMatrix<Real> A;  // (R, n)
+    window_probabilities<Real>(layer, g, args, A);
+    KVC_ASSERT(A.rows() == R);
+    (void)R;
+    detail::probabilities_times_values(layer, g, A, Y);
+  }
+}
+
 /// Window outputs Y = A·V_g (G·W, d) of KV head g from what window_mass(layer, g, args, mass, ws) left
 /// in `ws` (call it right after, with the same layer, head and workspace): the exponentials of every
 /// key tile are still there, so Y costs one (G·W × n × d) product and no second pass of window

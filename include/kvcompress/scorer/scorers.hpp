@@ -1,9 +1,10 @@
 // Scorers (SPEC §4): one score per cached token and KV head, higher = keep.
 //
-// Every scorer has a nested `Arguments`, a non-throwing `validate`, a compile-time flag
-// `needs_mass` (whether it reads the window attention mass a_g) and the verb `score`.
+// Every scorer has a nested `Arguments`, a non-throwing `validate`, the verb `score` and, where it
+// reads the window attention mass a_g or covers the NaN/Inf scan, a `traits` (PolicyTraits).
 #pragma once
 #include "kvcompress/core.hpp"
+#include "kvcompress/traits.hpp"
 #define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
 #undef KVC_INTERNAL_INCLUDE
@@ -13,7 +14,9 @@ namespace kvc {
 /// SnapKV: c_g[j] = a_g[j], the window attention mass.
 struct AttentionMass {
   struct Arguments {};
-  static constexpr bool needs_mass = true;
+  struct traits : PolicyTraits {
+    static constexpr bool needs_mass = true;
+  };
   Arguments args;
 
   Status validate() const { return Status::ok(); }
@@ -29,10 +32,12 @@ struct AttentionMass {
 /// SelKV Eq. 1: c_g[j] = a_g[j] · ‖v_{g,j}‖₂.
 struct ValueWeighted {
   struct Arguments {};
-  static constexpr bool needs_mass = true;
-  /// Its score is NaN/Inf whenever a value row is (through the row norm), so the pipeline checks the
-  /// scores instead of reading V a second time for the NaN/Inf scan.
-  static constexpr bool covers_values = true;
+  struct traits : PolicyTraits {
+    static constexpr bool needs_mass = true;
+    /// Its score is NaN/Inf whenever a value row is (through the row norm), so the pipeline checks
+    /// the scores instead of reading V a second time for the NaN/Inf scan.
+    static constexpr bool covers_values = true;
+  };
   Arguments args;
 
   Status validate() const { return Status::ok(); }
@@ -55,9 +60,9 @@ struct ValueWeighted {
 /// KNorm: c_g[j] = −‖k_{g,j}‖₂ (low-norm keys attract attention). Does not need window attention.
 struct KeyNorm {
   struct Arguments {};
-  static constexpr bool needs_mass = false;
-  /// Its score is NaN/Inf whenever a key row is (see ValueWeighted::covers_values).
-  static constexpr bool covers_keys = true;
+  struct traits : PolicyTraits {
+    static constexpr bool covers_keys = true;  // its score is NaN/Inf whenever a key row is
+  };
   Arguments args;
 
   Status validate() const { return Status::ok(); }
@@ -80,7 +85,6 @@ struct KeyNorm {
 /// recent tokens after the sinks. The no-op scorer.
 struct Position {
   struct Arguments {};
-  static constexpr bool needs_mass = false;
   Arguments args;
 
   Status validate() const { return Status::ok(); }

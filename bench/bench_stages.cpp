@@ -210,9 +210,10 @@ void BM_Score(benchmark::State& state) {
   const auto layer = layer_of(n).view();
   const Vector<float> mass = Vector<float>::Constant(n, 1.0f / float(n));
   Vector<float> out;
+  const AttentionArguments attention;
   const double per = time_iterations(state, [&] {
     for (Index g = 0; g < layer.kv_heads(); ++g) {
-      Scorer{}.score(layer, g, mass, out);
+      Scorer{}.score(ScoreContext<float>(layer, g, attention, mass), out);
       benchmark::DoNotOptimize(out.data());
     }
   });
@@ -237,7 +238,7 @@ const LayerScores& selkv_scores(Index n) {
   WindowWorkspace<float> ws;
   for (Index g = 0; g < H; ++g) {
     window_mass<float>(layer, g, AttentionArguments{}, s.mass[g], ws);
-    ValueWeighted{}.score(layer, g, s.mass[g], s.score[g]);
+    ValueWeighted{}.score(ScoreContext<float>(layer, g, AttentionArguments{}, s.mass[g]), s.score[g]);
   }
   return cache.emplace(n, std::move(s)).first->second;
 }

@@ -11,6 +11,8 @@ Compressor make_method(const std::string& name, const MethodOptions& o) {
   if (name == "selkv") return detail::make<SelKV>(o, name);
   if (name == "selkv-mergeall") return detail::make<SelKVMergeAll>(o, name);
   if (name == "knorm") return detail::make<KNorm>(o, name);
+  if (name == "tova") return detail::make<TOVA>(o, name);
+  if (name == "keydiff") return detail::make<KeyDiff>(o, name);
   if (name == "grkv") return detail::make<SnapKVGRKV>(o, name);
   if (name == "grkv-selkv") return detail::make<SelKVEvictGRKV>(o, name);
   if (name == "grkv-streaming") return detail::make<StreamingLLMGRKV>(o, name);

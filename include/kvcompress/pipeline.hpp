@@ -44,15 +44,14 @@ struct has_arguments : std::false_type {};
 template <class P>
 struct has_arguments<P, std::void_t<typename P::Arguments>> : std::true_type {};
 
-using ProbeLayer = LayerView<float>;
 using ProbeContext = HeadContext<float>;
 
 template <class P, class = void>
 struct has_score : std::false_type {};
 template <class P>
-struct has_score<P, std::void_t<decltype(std::declval<const P&>().score(
-                        std::declval<const ProbeLayer&>(), Index{}, std::declval<const Vector<float>&>(),
-                        std::declval<Vector<float>&>()))>> : std::true_type {};
+struct has_score<P, std::void_t<decltype(std::declval<const P&>().score(std::declval<const ScoreContext<float>&>(),
+                                                                          std::declval<Vector<float>&>()))>>
+    : std::true_type {};
 
 template <class P, class... Extra>
 using select_call = decltype(std::declval<const P&>().select(std::declval<const std::vector<Vector<float>>&>(),
@@ -140,7 +139,7 @@ struct Workspace {
 template <class Scorer, class Selector, class Router, class Merger, class Compensator>
 class Pipeline {
   static_assert(detail::has_arguments<Scorer>::value && detail::has_score<Scorer>::value,
-                "Scorer must have a nested `Arguments` and `score(layer, g, mass, out)` (see scorer/scorers.hpp)");
+                "Scorer must have a nested `Arguments` and `score(ctx, out)` (see scorer/scorers.hpp)");
   static_assert(detail::has_arguments<Selector>::value && detail::has_select<Selector>::value,
                 "Selector must have a nested `Arguments` and `select(scores, budgets, selection)` (see selector/top_k.hpp)");
   static_assert(detail::has_arguments<Router>::value && detail::has_route<Router>::value,
@@ -423,7 +422,7 @@ class Pipeline {
       } else {
         ws.mass[h].setZero(n);
       }
-      scorer().score(layer, g, ws.mass[h], ws.score[h]);
+      scorer().score(ScoreContext<T>(layer, g, args_.attention, ws.mass[h], &args_.reposition), ws.score[h]);
     });
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(ws.window);  // one-shot run(): free it now
     if (args_.check_finite) check_folded_scans(layer, ws.finite, ws.values_finite, ws.score);
@@ -462,7 +461,7 @@ class Pipeline {
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       const auto h = static_cast<std::size_t>(g);
       HeadContext<T> ctx(layer, g, args_.attention, ws.mass[h], sel.score[h], sel.kept[h], sel.evicted[h],
-                         kOutputsFromMass ? &ws.outputs[h] : nullptr);
+                         kOutputsFromMass ? &ws.outputs[h] : nullptr, &args_.reposition);
       ctx.set_streaming_stores(stores.keys);
       compress_head(ctx, stores, ws.routing[static_cast<std::size_t>(worker)], ws.merged[h], result.heads[h]);
     });

@@ -1,7 +1,9 @@
-// The types the pipeline's policies exchange: per-head context, routing, merge output, diagnostics.
+// The types the pipeline's policies exchange: the scorer's and the per-head contexts, routing, merge
+// output, diagnostics.
 #pragma once
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
+#include "kvcompress/rope.hpp"
 #include "kvcompress/traits.hpp"
 
 #include <algorithm>
@@ -45,47 +47,58 @@ struct HeadDiagnostics {
   bool value_step_rejected = false;  ///< a value step failed or gave non-finite / out-of-range values: kept V⁰
 };
 
-/// Everything a per-head policy (router, merger, compensator) may read about KV head `head`.
-/// Views point into the caller's memory (read only). Window probabilities are computed on first use.
+/// Everything a scorer may read about KV head `head`: the layer, the window attention mass and, on
+/// request, the window probabilities (per query row or all rows), the window queries, the attention
+/// and RoPE arguments and the entries' original positions. The per-head policies after selection
+/// read a HeadContext, which extends it. Views point into the caller's memory (read only).
 template <class T>
-class HeadContext {
+class ScoreContext {
  public:
   using Real = compute_t<T>;
 
-  HeadContext(const LayerView<T>& layer, Index head, const AttentionArguments& attention,
-              const Vector<Real>& mass, const Vector<Real>& score, const std::vector<Index>& kept,
-              const std::vector<Index>& evicted, const RowMatrix<Real>* window_outputs = nullptr)
-      : layer_(layer), head_(head), attention_(attention), mass_(mass), score_(score), kept_(kept),
-        evicted_(evicted), given_outputs_(window_outputs) {}
+  ScoreContext(const LayerView<T>& layer, Index head, const AttentionArguments& attention, const Vector<Real>& mass,
+               const RopeArguments* rope = nullptr)
+      : layer_(layer), head_(head), attention_(attention), mass_(mass), rope_(rope) {}
 
   const LayerView<T>& layer() const { return layer_; }
   Index head() const { return head_; }
-  Index tokens() const { return layer_.tokens(); }     // n
-  Index window() const { return layer_.window(); }     // W
+  Index tokens() const { return layer_.tokens(); }          // n
+  Index window() const { return layer_.window(); }          // W
   Index group_size() const { return layer_.group_size(); }  // G
-  Index head_dim() const { return layer_.head_dim(); }  // d
+  Index head_dim() const { return layer_.head_dim(); }      // d
   const AttentionArguments& attention() const { return attention_; }
   Real scale() const { return static_cast<Real>(attention_.resolved_scale(head_dim())); }
+  /// The RoPE arguments of the cached keys (the pipeline's Arguments::reposition: layout, theta,
+  /// rotary dimension, whether or not repositioning is on).
+  const RopeArguments& rope() const {
+    static const RopeArguments defaults;
+    return rope_ != nullptr ? *rope_ : defaults;
+  }
 
-  const T* key(Index j) const { return layer_.keys.row(head_, j); }
-  const T* value(Index j) const { return layer_.values.row(head_, j); }
+  const T* key(Index j) const { return layer_.keys.row(head_, j); }      // d elements
+  const T* value(Index j) const { return layer_.values.row(head_, j); }  // d elements
+  /// Window query row i (absolute position n − W + i) of query head head·G + local_head: d elements.
+  const T* query(Index local_head, Index i) const {
+    return layer_.queries.row(head_ * group_size() + local_head, layer_.queries.tokens - window() + i);
+  }
+  /// The original position of entry j (the position its key was rotated at).
+  Index position(Index j) const { return j; }
 
-  /// Whether a policy that fills the kept rows itself (PolicyTraits::fills_keys) may write them with
-  /// streaming stores: nothing reads them soon after and the result is too large to stay in cache. A
-  /// hint for speed only.
-  bool streaming_stores() const { return streaming_stores_; }
-  void set_streaming_stores(bool on) { streaming_stores_ = on; }
-
-  /// (n) raw window attention mass a_g.
+  /// (n) raw window attention mass a_g (zeros unless a policy declares traits::needs_mass).
   const Vector<Real>& mass() const { return mass_; }
-  /// (n) the score the selector ranked by (pooled where pooling is on).
-  const Vector<Real>& score() const { return score_; }
-  /// (m) kept positions, ascending.
-  const std::vector<Index>& kept() const { return kept_; }
-  /// (n - m) evicted positions, ascending.
-  const std::vector<Index>& evicted() const { return evicted_; }
 
-  /// (G·W, n) causal window probabilities of this head's query group, row r = local_head*W + i.
+  /// p (n) <- the causal window probabilities of row r = local_head·W + i of this head's query group
+  /// (SPEC §2): softmax_j(softcap(scale·<q, k_j>)) for j <= n − W + i, 0 beyond. O(n·d), no other
+  /// memory. Throws kvc::error when a logit is not finite (keys or queries too large for the
+  /// arithmetic type).
+  void row_probabilities(Index r, Vector<Real>& p) const {
+    if (!window_row_probabilities(layer_, head_, r, attention_, p))
+      throw error(detail::concat("a window-attention logit of KV head ", head_, ", window row ", r,
+                                 " is not finite: |scale·<q, k>| overflows the arithmetic type"));
+  }
+
+  /// (G·W, n) causal window probabilities of this head's query group, row r = local_head·W + i;
+  /// computed on first use (one G·W × d × n product, O(G·W·n) memory).
   const RowMatrix<Real>& probabilities() const {
     if (!probs_) {
       probs_.emplace();
@@ -93,6 +106,45 @@ class HeadContext {
     }
     return *probs_;
   }
+
+ protected:
+  const LayerView<T>& layer_;
+  Index head_;
+  const AttentionArguments& attention_;
+  const Vector<Real>& mass_;
+  const RopeArguments* rope_;
+  mutable std::optional<RowMatrix<Real>> probs_;
+};
+
+/// Everything a per-head policy (router, merger, compensator) may read about KV head `head`: the
+/// ScoreContext, the scores the selector ranked by, the kept and evicted positions and the window
+/// outputs. Window probabilities and outputs are computed on first use.
+template <class T>
+class HeadContext : public ScoreContext<T> {
+  using Base = ScoreContext<T>;
+
+ public:
+  using Real = compute_t<T>;
+
+  HeadContext(const LayerView<T>& layer, Index head, const AttentionArguments& attention,
+              const Vector<Real>& mass, const Vector<Real>& score, const std::vector<Index>& kept,
+              const std::vector<Index>& evicted, const RowMatrix<Real>* window_outputs = nullptr,
+              const RopeArguments* rope = nullptr)
+      : Base(layer, head, attention, mass, rope), score_(score), kept_(kept), evicted_(evicted),
+        given_outputs_(window_outputs) {}
+
+  /// Whether a policy that fills the kept rows itself (PolicyTraits::fills_keys) may write them with
+  /// streaming stores: nothing reads them soon after and the result is too large to stay in cache. A
+  /// hint for speed only.
+  bool streaming_stores() const { return streaming_stores_; }
+  void set_streaming_stores(bool on) { streaming_stores_ = on; }
+
+  /// (n) the score the selector ranked by (pooled where pooling is on).
+  const Vector<Real>& score() const { return score_; }
+  /// (m) kept positions, ascending.
+  const std::vector<Index>& kept() const { return kept_; }
+  /// (n - m) evicted positions, ascending.
+  const std::vector<Index>& evicted() const { return evicted_; }
 
   /// (G·W, d) window outputs Y = A·V_g of this head's query group (rows as in probabilities()): the
   /// matrix handed to the constructor (a pipeline that still holds the head's window exponentials
@@ -103,31 +155,20 @@ class HeadContext {
     if (given_outputs_) return *given_outputs_;
     if (!outputs_) {
       outputs_.emplace();
-      if (probs_) {
-        outputs_from_probabilities(*probs_, *outputs_);
-      } else {
-        kvc::window_outputs<Real>(layer_, head_, attention_, *outputs_);
-      }
+      if (this->probs_)
+        detail::probabilities_times_values(this->layer_, this->head_, *this->probs_, *outputs_);
+      else
+        kvc::window_outputs<Real>(this->layer_, this->head_, this->attention_, *outputs_);
     }
     return *outputs_;
   }
 
  private:
-  const LayerView<T>& layer_;
-  Index head_;
-  const AttentionArguments& attention_;
-  const Vector<Real>& mass_;
   const Vector<Real>& score_;
   const std::vector<Index>& kept_;
   const std::vector<Index>& evicted_;
-  // Y = A·V from normalised probabilities A (R, n).
-  void outputs_from_probabilities(const RowMatrix<Real>& A, RowMatrix<Real>& Y) const {
-    detail::probabilities_times_values(layer_, head_, A, Y);
-  }
-
   const RowMatrix<Real>* given_outputs_ = nullptr;
   bool streaming_stores_ = false;
-  mutable std::optional<RowMatrix<Real>> probs_;
   mutable std::optional<RowMatrix<Real>> outputs_;
 };
 

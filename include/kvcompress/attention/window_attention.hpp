@@ -10,6 +10,7 @@
 #include "kvcompress/simd/window_gemm.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <vector>
@@ -253,6 +254,37 @@ void window_probabilities(const LayerView<T>& layer, Index g, const AttentionArg
     RowMatrix<Real> queries;
     detail::window_probabilities_plain(layer, g, args, queries, probs);
   }
+}
+
+/// p (n) <- the causal probabilities of window row r = local_head·W + i of KV head g's query group
+/// (SPEC §2): softmax_j(softcap(scale·<q, k_j>)) over j <= n − W + i, exactly 0 beyond. One pass of
+/// dots over the visible keys (O(n·d)), no other memory. Returns false when a logit is NaN or ±Inf
+/// (p is then meaningless).
+template <class Real, class T>
+bool window_row_probabilities(const LayerView<T>& layer, Index g, Index r, const AttentionArguments& args,
+                              Vector<Real>& p) {
+  const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
+  KVC_ASSERT(r >= 0 && r < G * W);
+  const Index i = r % W, visible = n - W + i + 1;
+  const T* q = layer.queries.row(g * G + r / W, layer.queries.tokens - W + i);
+  const Real scale = static_cast<Real>(args.resolved_scale(d));
+  const Real cap = static_cast<Real>(args.softcap);
+  p.setZero(n);
+  Real mx = -std::numeric_limits<Real>::infinity();
+  for (Index j = 0; j < visible; ++j) {
+    const T* k = layer.keys.row(g, j);
+    Real s = 0;
+    for (Index c = 0; c < d; ++c) s += to_real<Real>(q[c]) * to_real<Real>(k[c]);
+    s *= scale;
+    if (cap > 0) s = cap * std::tanh(s / cap);
+    if (!std::isfinite(s)) return false;
+    p[j] = s;
+    mx = std::max(mx, s);
+  }
+  Real sum = 0;
+  for (Index j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - mx));
+  p.head(visible) *= Real(1) / sum;
+  return true;
 }
 
 /// Attention mass of KV head g: a_g[j] = (1/G) Σ_{h in g} Σ_i A_h[i][j] (SPEC §2), from probabilities.

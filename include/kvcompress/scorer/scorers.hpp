@@ -1,10 +1,12 @@
 // Scorers (SPEC §4): one score per cached token and KV head, higher = keep.
 //
-// Every scorer has a nested `Arguments`, a non-throwing `validate`, the verb `score` and, where it
-// reads the window attention mass a_g or covers the NaN/Inf scan, a `traits` (PolicyTraits).
+// Every scorer has a nested `Arguments`, a non-throwing `validate`, the verb
+// `score(const ScoreContext<T>& ctx, Vector<Real>& out)` and, where it reads the window attention mass
+// a_g or covers the NaN/Inf scan, a `traits` (PolicyTraits). One scorer per file for new ones
+// (last_query_attention.hpp, key_diversity.hpp); the four here share this one.
 #pragma once
 #include "kvcompress/core.hpp"
-#include "kvcompress/traits.hpp"
+#include "kvcompress/policy.hpp"
 #define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
 #include "kvcompress/detail/rows.hpp"
 #undef KVC_INTERNAL_INCLUDE
@@ -23,9 +25,8 @@ struct AttentionMass {
 
   /// score (n) <- mass (n). O(n).
   template <class T>
-  void score(const LayerView<T>&, Index /*g*/, const Vector<compute_t<T>>& mass,
-             Vector<compute_t<T>>& out) const {
-    out = mass;
+  void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
+    out = ctx.mass();
   }
 };
 
@@ -44,10 +45,11 @@ struct ValueWeighted {
 
   /// score (n) <- mass (n) ⊙ row norms of V_g (n, d). O(n·d).
   template <class T>
-  void score(const LayerView<T>& layer, Index g, const Vector<compute_t<T>>& mass,
-             Vector<compute_t<T>>& out) const {
+  void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
     using Real = compute_t<T>;
-    const Index n = layer.tokens(), d = layer.head_dim();
+    const LayerView<T>& layer = ctx.layer();
+    const Vector<Real>& mass = ctx.mass();
+    const Index n = layer.tokens(), d = layer.head_dim(), g = ctx.head();
     out.resize(n);
     detail::RowPrefetcher<T> prefetch(layer.values, g, detail::kScanPrefetchRows);
     for (Index j = 0; j < n; ++j) {
@@ -68,10 +70,10 @@ struct KeyNorm {
   Status validate() const { return Status::ok(); }
 
   template <class T>
-  void score(const LayerView<T>& layer, Index g, const Vector<compute_t<T>>&,
-             Vector<compute_t<T>>& out) const {
+  void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
     using Real = compute_t<T>;
-    const Index n = layer.tokens(), d = layer.head_dim();
+    const LayerView<T>& layer = ctx.layer();
+    const Index n = layer.tokens(), d = layer.head_dim(), g = ctx.head();
     out.resize(n);
     detail::RowPrefetcher<T> prefetch(layer.keys, g, detail::kScanPrefetchRows);
     for (Index j = 0; j < n; ++j) {
@@ -90,11 +92,10 @@ struct Position {
   Status validate() const { return Status::ok(); }
 
   template <class T>
-  void score(const LayerView<T>& layer, Index, const Vector<compute_t<T>>&,
-             Vector<compute_t<T>>& out) const {
+  void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
     using Real = compute_t<T>;
-    out.resize(layer.tokens());
-    for (Index j = 0; j < layer.tokens(); ++j) out[j] = static_cast<Real>(j);  // exact integers
+    out.resize(ctx.tokens());
+    for (Index j = 0; j < ctx.tokens(); ++j) out[j] = static_cast<Real>(j);  // exact integers
   }
 };
 

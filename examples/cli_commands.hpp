@@ -457,18 +457,29 @@ inline int cmd_compress(Args& a, std::ostream& out) {
                          make_head_major<const float>(V.f.data(), V.shape[0], V.shape[1], V.shape[2]),
                          make_head_major<const float>(Q.f.data(), Q.shape[0], Q.shape[1], Q.shape[2])};
   const LayerResult<float> r = make_method(method, opts)(layer, budget);
-  const engine::CompressedLayer c = to_engine(r);
-  const std::int64_t H = static_cast<std::int64_t>(r.heads.size()), m = c.m, d = K.shape[2];
-  std::vector<std::int32_t> pos(static_cast<std::size_t>(H * m));
-  for (std::int64_t g = 0; g < H; ++g)
-    for (std::int64_t i = 0; i < m; ++i) pos[g * m + i] = static_cast<std::int32_t>(r.heads[g].positions[i]);
+  // Heads may keep different numbers of entries (per-head budgets): every array has room for the
+  // longest, and the rows beyond a head's length are padding (position -1, zeros elsewhere).
+  const std::int64_t H = static_cast<std::int64_t>(r.heads.size()), m = r.max_size(), d = K.shape[2];
+  std::vector<float> keys(static_cast<std::size_t>(H * m * d), 0.0f), values(keys.size(), 0.0f);
+  std::vector<float> bias(static_cast<std::size_t>(H * m), 0.0f);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(H * m), -1), lengths(static_cast<std::size_t>(H));
+  const std::vector<Index> len = compact_into(r, make_head_major(keys.data(), H, m, d), make_head_major(values.data(), H, m, d));
+  compact_bias_into(r, bias.data(), m, m);
+  for (std::int64_t g = 0; g < H; ++g) {
+    lengths[static_cast<std::size_t>(g)] = static_cast<std::int32_t>(len[static_cast<std::size_t>(g)]);
+    for (std::int64_t i = 0; i < len[static_cast<std::size_t>(g)]; ++i)
+      pos[static_cast<std::size_t>(g * m + i)] = static_cast<std::int32_t>(r.heads[static_cast<std::size_t>(g)].positions[i]);
+  }
   std::filesystem::create_directories(dir);
   engine::write_npy(dir + "/positions.npy", {H, m}, pos.data());
-  engine::write_npy(dir + "/keys.npy", {H, m, d}, c.keys.data());
-  engine::write_npy(dir + "/values.npy", {H, m, d}, c.values.data());
-  engine::write_npy(dir + "/bias.npy", {H, m}, c.bias.data());
-  out << "kept " << m << " of " << K.shape[1] << " tokens per head; next position " << r.next_position << "; wrote "
-      << dir << "/{positions,keys,values,bias}.npy\n";
+  engine::write_npy(dir + "/keys.npy", {H, m, d}, keys.data());
+  engine::write_npy(dir + "/values.npy", {H, m, d}, values.data());
+  engine::write_npy(dir + "/bias.npy", {H, m}, bias.data());
+  engine::write_npy(dir + "/lengths.npy", {H}, lengths.data());
+  std::int64_t total = 0;
+  for (Index l : len) total += l;
+  out << "kept " << total << " of " << H * K.shape[1] << " entries (at most " << m << " per head); next position "
+      << r.next_position << "; wrote " << dir << "/{positions,keys,values,bias,lengths}.npy\n";
   return 0;
 }
 

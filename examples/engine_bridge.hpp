@@ -5,6 +5,7 @@
 #include "engine/llama2.hpp"
 #include "methods.hpp"
 
+#include <limits>
 #include <stdexcept>
 
 namespace kvc::cli {
@@ -19,22 +20,24 @@ inline LayerView<float> view_of(const engine::LayerInput& in) {
   return layer;
 }
 
-/// Library result → engine layer ([Hkv][m][d] keys and values, [Hkv][m] bias). All heads must keep
-/// the same number of entries (uniform budgets), since the engine has one length per layer.
+/// Library result → engine layer ([Hkv][m][d] keys and values, [Hkv][m] bias, m = the longest head).
+/// The engine keeps one length per layer, so a head that kept fewer entries (per-head budgets: AdaKV)
+/// is padded to m with zero rows whose bias is −inf: they take no attention, now or after decoding
+/// appends tokens behind them. The padding occupies cache memory; an engine with per-head lengths
+/// (compact_into's lengths, decode_attention's per-head overload) stores none.
 inline engine::CompressedLayer to_engine(const LayerResult<float>& r) {
   engine::CompressedLayer out;
   const Index H = static_cast<Index>(r.heads.size());
   const Index m = r.max_size();
   const Index d = H > 0 ? r.heads[0].keys.cols() : 0;
-  for (const auto& h : r.heads)
-    if (h.size() != m) throw std::runtime_error("engine needs the same number of kept entries in every KV head");
   out.m = m;
   out.next_position = r.next_position;
-  out.keys.resize(static_cast<std::size_t>(H * m * d));
-  out.values.resize(out.keys.size());
-  out.bias.resize(static_cast<std::size_t>(H * m));
+  out.keys.assign(static_cast<std::size_t>(H * m * d), 0.0f);
+  out.values.assign(out.keys.size(), 0.0f);
+  out.bias.assign(static_cast<std::size_t>(H * m), -std::numeric_limits<float>::infinity());
+  if (m == 0) return out;
   compact_into(r, make_head_major(out.keys.data(), H, m, d), make_head_major(out.values.data(), H, m, d));
-  compact_bias_into(r, out.bias.data(), m, m);
+  compact_bias_into(r, out.bias.data(), m, m);  // rows beyond a head's length keep −inf
   return out;
 }
 

@@ -13,6 +13,8 @@ Compressor make_method(const std::string& name, const MethodOptions& o) {
   if (name == "knorm") return detail::make<KNorm>(o, name);
   if (name == "tova") return detail::make<TOVA>(o, name);
   if (name == "keydiff") return detail::make<KeyDiff>(o, name);
+  if (name == "adakv-snapkv") return detail::make<AdaKVSnapKV>(o, name);
+  if (name == "adakv-selkv") return detail::make<AdaKVSelKV>(o, name);
   if (name == "grkv") return detail::make<SnapKVGRKV>(o, name);
   if (name == "grkv-selkv") return detail::make<SelKVEvictGRKV>(o, name);
   if (name == "grkv-streaming") return detail::make<StreamingLLMGRKV>(o, name);

@@ -25,8 +25,8 @@ using Compressor = std::function<LayerResult<float>(const LayerView<float>&, con
 
 inline const std::vector<std::string>& method_names() {
   static const std::vector<std::string> names = {"full",           "streaming", "snapkv", "selkv-evict", "selkv",
-                                                 "selkv-mergeall", "knorm",     "tova",   "keydiff",     "grkv",
-                                                 "grkv-selkv",     "grkv-streaming"};
+                                                 "selkv-mergeall", "knorm",     "tova",   "keydiff",     "adakv-snapkv",
+                                                 "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming"};
   return names;
 }
 

@@ -1,10 +1,11 @@
-// Pipeline<Scorer, Selector, Router, Merger, Compensator>: compresses one layer of one sequence.
+// Pipeline<Scorer, Selector, Router, Merger, Compensator, Allocator>: compresses one layer of one sequence.
 //
 // Read this file first. run_unchecked() (run() after the input checks) is the whole data flow, one
 // call per stage (SPEC §2–§11):
 //
 //   window attention  a_g (n)                  per KV head, from the last W queries
 //   Scorer            c_g (n)                  higher = keep
+//   Allocator         m_g                      per-head budgets (UniformBudget: m for every head; AdaKV)
 //   Selector          kept_g (m_g), evicted_g  forced sinks/recent + top scores (per head or shared)
 //   Router            π: evicted → kept        per KV head
 //   Merger            K̃_g, Ṽ_g (m_g, d)        Drop / MergeAll / SoftGate / RidgeMerge
@@ -16,6 +17,7 @@
 // any thread count (see parallel.hpp). What a policy declares about itself (what it reads, what it
 // fills) is read from policy_traits (traits.hpp) and nowhere else.
 #pragma once
+#include "kvcompress/allocator/budget.hpp"
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 #define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
@@ -136,7 +138,7 @@ struct Workspace {
   }
 };
 
-template <class Scorer, class Selector, class Router, class Merger, class Compensator>
+template <class Scorer, class Selector, class Router, class Merger, class Compensator, class Allocator = UniformBudget>
 class Pipeline {
   static_assert(detail::has_arguments<Scorer>::value && detail::has_score<Scorer>::value,
                 "Scorer must have a nested `Arguments` and `score(ctx, out)` (see scorer/scorers.hpp)");
@@ -148,6 +150,8 @@ class Pipeline {
                 "Merger must have a nested `Arguments` and `merge(ctx, routing, out)` (see merger/gated_merge.hpp)");
   static_assert(detail::has_arguments<Compensator>::value && detail::has_compensate<Compensator>::value,
                 "Compensator must have a nested `Arguments` and `compensate(ctx, routing, merged, bias)` (see compensator/compensators.hpp)");
+  static_assert(detail::has_arguments<Allocator>::value,
+                "Allocator must have a nested `Arguments` and `allocate(scores, budgets)` (see allocator/budget.hpp)");
   static_assert(!policy_traits<Router>::fills_keys || detail::has_route_keys<Router>::value,
                 "a Router with traits::fills_keys must have `route(ctx, routing, kept_keys)` (see router/bucket_router.hpp)");
   static_assert(!policy_traits<Selector>::takes_threads || detail::has_select_threads<Selector>::value,
@@ -161,6 +165,7 @@ class Pipeline {
   using router_type = Router;
   using merger_type = Merger;
   using compensator_type = Compensator;
+  using allocator_type = Allocator;
 
   /// Every stage's options with the preset's defaults, plus the attention and RoPE options.
   struct Arguments {
@@ -170,6 +175,7 @@ class Pipeline {
     typename Router::Arguments router{};
     typename Merger::Arguments merger{};
     typename Compensator::Arguments compensator{};
+    typename Allocator::Arguments allocator{};
     RopeArguments reposition;  ///< off by default
     bool check_finite = true;  ///< reject NaN/Inf in K, V and the window queries; K and V are checked
                                ///< through the logits / scores when a stage reads them anyway. Off
@@ -327,15 +333,14 @@ class Pipeline {
 
   /// validate() or throw; `out` <- the per-head budgets clamped to n (returned; `budgets` may be `out`).
   template <class T>
-  const std::vector<Index>& checked_budgets(const LayerView<T>& layer, const Budget& budget,
-                                            std::vector<Index>& out) const {
+  std::vector<Index>& checked_budgets(const LayerView<T>& layer, const Budget& budget, std::vector<Index>& out) const {
     throw_if_invalid(layer, budget);
     out.assign(static_cast<std::size_t>(layer.kv_heads()), std::min(budget.resolve(layer.tokens()), layer.tokens()));
     return out;
   }
   template <class T>
-  const std::vector<Index>& checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets,
-                                            std::vector<Index>& out) const {
+  std::vector<Index>& checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets,
+                                      std::vector<Index>& out) const {
     throw_if_invalid(layer, budgets);
     out.resize(budgets.size());
     for (std::size_t g = 0; g < budgets.size(); ++g) out[g] = std::min(budgets[g], layer.tokens());
@@ -352,7 +357,12 @@ class Pipeline {
     KVC_RETURN_IF_ERROR(router().validate());
     for (Index g = 0; g < H; ++g) KVC_RETURN_IF_ERROR(merger().validate(layer.tokens(), budget_of(g)));
     KVC_RETURN_IF_ERROR(compensator().validate());
+    KVC_RETURN_IF_ERROR(allocator().validate());
     KVC_RETURN_IF_ERROR(args_.reposition.validate(layer.head_dim()));
+    if (selector().shares_positions() && !allocator().keeps_budgets())
+      return Status::fail(Status::Code::invalid_argument,
+                          "this allocator gives KV heads different budgets: pair it with per-head selection, "
+                          "not shared selection");
     if (selector().shares_positions())
       for (Index g = 1; g < H; ++g)
         if (budget_of(g) != budget_of(0))
@@ -366,6 +376,7 @@ class Pipeline {
   Router router() const { return Router{args_.router}; }
   Merger merger() const { return Merger{args_.merger}; }
   Compensator compensator() const { return Compensator{args_.compensator}; }
+  Allocator allocator() const { return Allocator{args_.allocator}; }
 
   /// Whether KV head g's keys and values and its group's window queries are finite: known when
   /// check_finite validated them, scanned otherwise (on error paths only).
@@ -381,19 +392,21 @@ class Pipeline {
 
   /// The whole data flow (SPEC §2–§11). Each stage below is one function of this class.
   template <class T>
-  void run_unchecked(const LayerView<T>& layer, const std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
+  void run_unchecked(const LayerView<T>& layer, std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
                      Workspace<compute_t<T>>& ws, bool release_scratch = false) const {
     using Real = compute_t<T>;
     // 1. Window attention and scores, per KV head.     ws.mass[g], ws.score[g]: (n)
     score_heads(layer, ws, release_scratch);
-    // 2. Selection.                                    kept[g]: (m_g) ascending, evicted[g]: (n − m_g)
+    // 2. Budget allocation.                            budgets: [Hkv] m_g, Σ m_g kept
+    allocator().allocate(ws.score, budgets);
+    // 3. Selection.                                    kept[g]: (m_g) ascending, evicted[g]: (n − m_g)
     Selection<Real> fresh;
     const Selection<Real>& sel = select(ws, budgets, fresh);
-    // 3. Per KV head: route, merge, compensate.        keys, values: (m_g, d), bias: (m_g)
+    // 4. Per KV head: route, merge, compensate.        keys, values: (m_g, d), bias: (m_g)
     compress_heads(layer, sel, ws, result);
-    // 4. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
+    // 5. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
     if (sel.shared) share_bias(result, ws.shared_bias);
-    // 5. Optional RoPE repositioning to positions 0..m−1 (SPEC §10).
+    // 6. Optional RoPE repositioning to positions 0..m−1 (SPEC §10).
     result.next_position = layer.tokens();
     if (args_.reposition.enabled) reposition(layer, result);
   }
@@ -428,7 +441,7 @@ class Pipeline {
     if (args_.check_finite) check_folded_scans(layer, ws.finite, ws.values_finite, ws.score);
   }
 
-  /// Stage 2: the selector's output, in the workspace's Selection when the selector overwrites all of
+  /// Stage 3: the selector's output, in the workspace's Selection when the selector overwrites all of
   /// it (its vectors keep their capacity across calls), else in `fresh`.
   template <class Real>
   const Selection<Real>& select(Workspace<Real>& ws, const std::vector<Index>& budgets, Selection<Real>& fresh) const {
@@ -440,7 +453,7 @@ class Pipeline {
     return sel;
   }
 
-  /// Stage 3: every head's result from its selection (heads in parallel). The result's previous
+  /// Stage 4: every head's result from its selection (heads in parallel). The result's previous
   /// buffers are recycled.
   template <class T>
   void compress_heads(const LayerView<T>& layer, const Selection<compute_t<T>>& sel, Workspace<compute_t<T>>& ws,
@@ -472,7 +485,7 @@ class Pipeline {
     bool values = false, keys = false;
   };
 
-  /// One head of stage 3: route (π: evicted → kept), gather the kept rows, merge, compensate.
+  /// One head of stage 4: route (π: evicted → kept), gather the kept rows, merge, compensate.
   /// `merged` is the head's MergeOutput: its gate and merger scratch keep their storage from call to
   /// call; its keys and values are `out`'s own storage, lent for this head and handed back at the end
   /// of this scope, also when a policy throws.
@@ -553,7 +566,7 @@ class Pipeline {
                                "input is: the compensator's arithmetic overflows"));
   }
 
-  /// Stage 4: each head's bias <- the mean over heads (shared selection: every head keeps the same
+  /// Stage 5: each head's bias <- the mean over heads (shared selection: every head keeps the same
   /// positions, SPEC §8).
   template <class Real>
   static void share_bias(LayerResult<Real>& result, Vector<Real>& mean) {
@@ -564,7 +577,7 @@ class Pipeline {
     for (auto& h : result.heads) h.bias = mean;
   }
 
-  /// Stage 5: kept keys re-embedded at positions 0..m_g−1 (SPEC §10); the next token uses max m_g.
+  /// Stage 6: kept keys re-embedded at positions 0..m_g−1 (SPEC §10); the next token uses max m_g.
   template <class T>
   void reposition(const LayerView<T>& layer, LayerResult<compute_t<T>>& result) const {
     const Index d = layer.head_dim();

@@ -45,6 +45,14 @@ using TOVA = Pipeline<LastQueryAttention, TopK<0, 1, 0>, NoRoute, Drop, NoCompen
 /// KeyDiff: keep the keys least similar to the head's mean key direction, per KV head.
 using KeyDiff = Pipeline<KeyDiversity, TopK<>, NoRoute, Drop, NoCompensation>;
 
+/// AdaKV over SnapKV: the layer's Hkv·m entries shared out by one top-k over every head's window
+/// mass (each head keeps at least a fifth of m), then SnapKV's selection per head.
+using AdaKVSnapKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, Drop, NoCompensation, AdaKV>;
+
+/// AdaKV over SelKV: SelKV's scores, routing, soft gate and bias with per-head selection (shared
+/// selection needs equal budgets).
+using AdaKVSelKV = Pipeline<ValueWeighted, TopK<0, 16, 5>, BucketRouter<32>, SoftGate, AttentionRatio, AdaKV>;
+
 /// GRKV after SnapKV eviction (the paper's main setting): ridge re-fit of the kept values, then keys.
 using SnapKVGRKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, RidgeMerge, NoCompensation>;
 

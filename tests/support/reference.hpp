@@ -373,6 +373,45 @@ inline std::vector<std::vector<long>> select(const Eigen::MatrixXd& scores, std:
 }
 
 // ----------------------------------------------------------------------------------------------------
+// §5 Budget allocation
+// ----------------------------------------------------------------------------------------------------
+
+/// AdaKV (kvpress AdaKVPress): B = Σ_g m_g entries in all; head g keeps its top f_g = max(1, ⌊α·m_g⌋)
+/// scores; the other B − Σ f_g are the top of all remaining (head, position) entries by score.
+/// Order everywhere: higher score, then lower head, then lower position. Returns m_g per head.
+///   scores: (Hkv, n); m: Hkv budgets in [1, n].
+inline std::vector<long> adakv_budgets(const Eigen::MatrixXd& scores, const std::vector<long>& m, double alpha) {
+  const long H = scores.rows(), n = scores.cols();
+  require(static_cast<long>(m.size()) == H, "one budget per head");
+  struct E {
+    double s;
+    long g, j;
+  };
+  const auto before = [](const E& a, const E& b) {
+    if (a.s != b.s) return a.s > b.s;
+    return a.g != b.g ? a.g < b.g : a.j < b.j;
+  };
+  std::vector<long> out(static_cast<std::size_t>(H), 0);
+  std::vector<E> rest;
+  long total = 0, floors = 0;
+  for (long g = 0; g < H; ++g) {
+    const long mg = m[static_cast<std::size_t>(g)];
+    require(mg >= 1 && mg <= n, "budgets must be in [1, n]");
+    const long f = std::min(mg, std::max(1L, static_cast<long>(std::floor(alpha * double(mg)))));
+    std::vector<E> head;
+    for (long j = 0; j < n; ++j) head.push_back({scores(g, j), g, j});
+    std::sort(head.begin(), head.end(), before);
+    rest.insert(rest.end(), head.begin() + f, head.end());
+    out[static_cast<std::size_t>(g)] = f;
+    total += mg;
+    floors += f;
+  }
+  std::sort(rest.begin(), rest.end(), before);
+  for (long e = 0; e < total - floors && e < static_cast<long>(rest.size()); ++e) ++out[static_cast<std::size_t>(rest[static_cast<std::size_t>(e)].g)];
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------------------
 // §6 Router
 // ----------------------------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@
 #include "engine/llama2.hpp"
 #include "methods.hpp"
 
-#include <limits>
 #include <stdexcept>
 
 namespace kvc::cli {
@@ -20,11 +19,9 @@ inline LayerView<float> view_of(const engine::LayerInput& in) {
   return layer;
 }
 
-/// Library result → engine layer ([Hkv][m][d] keys and values, [Hkv][m] bias, m = the longest head).
-/// The engine keeps one length per layer, so a head that kept fewer entries (per-head budgets: AdaKV)
-/// is padded to m with zero rows whose bias is −inf: they take no attention, now or after decoding
-/// appends tokens behind them. The padding occupies cache memory; an engine with per-head lengths
-/// (compact_into's lengths, decode_attention's per-head overload) stores none.
+/// Library result → engine layer ([Hkv][m][d] keys and values, [Hkv][m] bias, m = the longest head,
+/// and each head's length: per-head budgets, e.g. AdaKV, keep different numbers of entries; rows
+/// beyond a head's length are zero padding that the engine never reads).
 inline engine::CompressedLayer to_engine(const LayerResult<float>& r) {
   engine::CompressedLayer out;
   const Index H = static_cast<Index>(r.heads.size());
@@ -34,10 +31,12 @@ inline engine::CompressedLayer to_engine(const LayerResult<float>& r) {
   out.next_position = r.next_position;
   out.keys.assign(static_cast<std::size_t>(H * m * d), 0.0f);
   out.values.assign(out.keys.size(), 0.0f);
-  out.bias.assign(static_cast<std::size_t>(H * m), -std::numeric_limits<float>::infinity());
+  out.bias.assign(static_cast<std::size_t>(H * m), 0.0f);
   if (m == 0) return out;
-  compact_into(r, make_head_major(out.keys.data(), H, m, d), make_head_major(out.values.data(), H, m, d));
-  compact_bias_into(r, out.bias.data(), m, m);  // rows beyond a head's length keep −inf
+  const std::vector<Index> lengths =
+      compact_into(r, make_head_major(out.keys.data(), H, m, d), make_head_major(out.values.data(), H, m, d));
+  compact_bias_into(r, out.bias.data(), m, m);
+  out.lengths.assign(lengths.begin(), lengths.end());
   return out;
 }
 

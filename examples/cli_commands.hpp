@@ -211,10 +211,15 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   const engine::LayerCompressor fn = engine_compressor(make_method(method, opts), budget);
 
   const std::vector<int> prompt_tokens = tok.encode(prompt, true);
+  std::ptrdiff_t entries_before = 0, entries_after = 0;  // cache entries over all layers and KV heads
   auto run = [&](const engine::LayerCompressor* compress) {
     engine::Session s(model);
     std::vector<float> logits = s.prefill(prompt_tokens, window);
-    if (compress) s.compress(*compress);
+    if (compress) {
+      entries_before = s.entries();
+      s.compress(*compress);
+      entries_after = s.entries();
+    }
     std::vector<int> toks;
     for (Index t = 0; t < steps && s.position() < model.config().seq_len; ++t) {
       const int next = engine::argmax(logits);
@@ -241,6 +246,11 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   out << "full cache  : " << text(full) << "\n";
   out << method << " @ " << (budget.is_ratio() ? budget.rho() : double(budget.absolute())) << " : " << text(comp)
       << "\n";
+  // Each entry holds a key and a value of d floats and a float bias; heads keep their own lengths.
+  const double kib_per_entry = double(2 * model.config().head_size() + 1) * sizeof(float) / 1024.0;
+  out << "cache after compression: " << entries_after << " of " << entries_before << " entries ("
+      << double(entries_after) * kib_per_entry << " of " << double(entries_before) * kib_per_entry
+      << " KiB of keys, values and bias)\n";
   if (diverge == full.size() && full.size() == comp.size())
     out << "identical over " << full.size() << " tokens\n";
   else

@@ -210,9 +210,10 @@ void BM_Score(benchmark::State& state) {
   const auto layer = layer_of(n).view();
   const Vector<float> mass = Vector<float>::Constant(n, 1.0f / float(n));
   Vector<float> out;
+  const AttentionArguments attention;
   const double per = time_iterations(state, [&] {
     for (Index g = 0; g < layer.kv_heads(); ++g) {
-      Scorer{}.score(layer, g, mass, out);
+      Scorer{}.score(ScoreContext<float>(layer, g, attention, mass), out);
       benchmark::DoNotOptimize(out.data());
     }
   });
@@ -237,7 +238,7 @@ const LayerScores& selkv_scores(Index n) {
   WindowWorkspace<float> ws;
   for (Index g = 0; g < H; ++g) {
     window_mass<float>(layer, g, AttentionArguments{}, s.mass[g], ws);
-    ValueWeighted{}.score(layer, g, s.mass[g], s.score[g]);
+    ValueWeighted{}.score(ScoreContext<float>(layer, g, AttentionArguments{}, s.mass[g]), s.score[g]);
   }
   return cache.emplace(n, std::move(s)).first->second;
 }
@@ -294,10 +295,11 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
   Routing routing;
   const double per = time_iterations(state, [&] {
     for (Index g = 0; g < H; ++g) {
-      const HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
-      static_assert(detail::fills_keys<BucketRouter<32>>::value && detail::fills_values<SoftGate>::value,
+      HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
+      ctx.set_streaming_stores(streaming);
+      static_assert(policy_traits<BucketRouter<32>>::fills_keys && policy_traits<SoftGate>::fills_values,
                     "as in the pipeline: the router writes the kept keys and SoftGate every value row");
-      BucketRouter<32>{}.route(ctx, routing, merged[g].keys, KeptKeyStores{streaming});
+      BucketRouter<32>{}.route(ctx, routing, merged[g].keys);
       SoftGate{}.merge(ctx, routing, merged[g]);
       AttentionRatio{}.compensate(ctx, routing, merged[g], bias);
       benchmark::DoNotOptimize(bias.data());

@@ -211,10 +211,15 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   const engine::LayerCompressor fn = engine_compressor(make_method(method, opts), budget);
 
   const std::vector<int> prompt_tokens = tok.encode(prompt, true);
+  std::ptrdiff_t entries_before = 0, entries_after = 0;  // cache entries over all layers and KV heads
   auto run = [&](const engine::LayerCompressor* compress) {
     engine::Session s(model);
     std::vector<float> logits = s.prefill(prompt_tokens, window);
-    if (compress) s.compress(*compress);
+    if (compress) {
+      entries_before = s.entries();
+      s.compress(*compress);
+      entries_after = s.entries();
+    }
     std::vector<int> toks;
     for (Index t = 0; t < steps && s.position() < model.config().seq_len; ++t) {
       const int next = engine::argmax(logits);
@@ -241,6 +246,11 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   out << "full cache  : " << text(full) << "\n";
   out << method << " @ " << (budget.is_ratio() ? budget.rho() : double(budget.absolute())) << " : " << text(comp)
       << "\n";
+  // Each entry holds a key and a value of d floats and a float bias; heads keep their own lengths.
+  const double kib_per_entry = double(2 * model.config().head_size() + 1) * sizeof(float) / 1024.0;
+  out << "cache after compression: " << entries_after << " of " << entries_before << " entries ("
+      << double(entries_after) * kib_per_entry << " of " << double(entries_before) * kib_per_entry
+      << " KiB of keys, values and bias)\n";
   if (diverge == full.size() && full.size() == comp.size())
     out << "identical over " << full.size() << " tokens\n";
   else
@@ -457,22 +467,35 @@ inline int cmd_compress(Args& a, std::ostream& out) {
                          make_head_major<const float>(V.f.data(), V.shape[0], V.shape[1], V.shape[2]),
                          make_head_major<const float>(Q.f.data(), Q.shape[0], Q.shape[1], Q.shape[2])};
   const LayerResult<float> r = make_method(method, opts)(layer, budget);
-  const engine::CompressedLayer c = to_engine(r);
-  const std::int64_t H = static_cast<std::int64_t>(r.heads.size()), m = c.m, d = K.shape[2];
-  std::vector<std::int32_t> pos(static_cast<std::size_t>(H * m));
-  for (std::int64_t g = 0; g < H; ++g)
-    for (std::int64_t i = 0; i < m; ++i) pos[g * m + i] = static_cast<std::int32_t>(r.heads[g].positions[i]);
+  // Heads may keep different numbers of entries (per-head budgets): every array has room for the
+  // longest, and the rows beyond a head's length are padding (position -1, zeros elsewhere).
+  const std::int64_t H = static_cast<std::int64_t>(r.heads.size()), m = r.max_size(), d = K.shape[2];
+  std::vector<float> keys(static_cast<std::size_t>(H * m * d), 0.0f), values(keys.size(), 0.0f);
+  std::vector<float> bias(static_cast<std::size_t>(H * m), 0.0f);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(H * m), -1), lengths(static_cast<std::size_t>(H));
+  const std::vector<Index> len = compact_into(r, make_head_major(keys.data(), H, m, d), make_head_major(values.data(), H, m, d));
+  compact_bias_into(r, bias.data(), m, m);
+  for (std::int64_t g = 0; g < H; ++g) {
+    lengths[static_cast<std::size_t>(g)] = static_cast<std::int32_t>(len[static_cast<std::size_t>(g)]);
+    for (std::int64_t i = 0; i < len[static_cast<std::size_t>(g)]; ++i)
+      pos[static_cast<std::size_t>(g * m + i)] = static_cast<std::int32_t>(r.heads[static_cast<std::size_t>(g)].positions[i]);
+  }
   std::filesystem::create_directories(dir);
   engine::write_npy(dir + "/positions.npy", {H, m}, pos.data());
-  engine::write_npy(dir + "/keys.npy", {H, m, d}, c.keys.data());
-  engine::write_npy(dir + "/values.npy", {H, m, d}, c.values.data());
-  engine::write_npy(dir + "/bias.npy", {H, m}, c.bias.data());
-  out << "kept " << m << " of " << K.shape[1] << " tokens per head; next position " << r.next_position << "; wrote "
-      << dir << "/{positions,keys,values,bias}.npy\n";
+  engine::write_npy(dir + "/keys.npy", {H, m, d}, keys.data());
+  engine::write_npy(dir + "/values.npy", {H, m, d}, values.data());
+  engine::write_npy(dir + "/bias.npy", {H, m}, bias.data());
+  engine::write_npy(dir + "/lengths.npy", {H}, lengths.data());
+  std::int64_t total = 0;
+  for (Index l : len) total += l;
+  out << "kept " << total << " of " << H * K.shape[1] << " entries (at most " << m << " per head); next position "
+      << r.next_position << "; wrote " << dir << "/{positions,keys,values,bias,lengths}.npy\n";
   return 0;
 }
 
-inline const char* usage() {
+inline std::string usage() {
+  std::string methods;
+  for (const auto& name : method_names()) methods += " " + name;
   return "usage: kvcompress <generate|eval|compress> [options]\n"
          "  generate --prompt TEXT --method M (--ratio R | --budget M) [--max-tokens 128] [--window 32]\n"
          "  eval     [--tokens F.npy | --samples 24 --seed 1 --length 512] --prefix 384 --methods a,b --ratios r1,r2\n"
@@ -482,7 +505,7 @@ inline const char* usage() {
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
          "  --lambda --beta --steps --safeguard --reposition\n"
-         "methods: full streaming snapkv selkv-evict selkv selkv-mergeall knorm grkv grkv-selkv grkv-streaming\n";
+         "methods:" + methods + "\n";
 }
 
 int run_command(int argc, char** argv, std::ostream& out, std::ostream& err) {

@@ -15,16 +15,15 @@ struct ValueNorm {
 
   kvc::Status validate() const { return kvc::Status::ok(); }
 
-  // out (n) <- the row norms of V_g (n, d). It does not read `mass` (needs_mass is not declared).
+  // out (n) <- the row norms of V_g (n, d). It does not read ctx.mass() (needs_mass is not declared).
   template <class T>
-  void score(const kvc::LayerView<T>& layer, kvc::Index g, const kvc::Vector<kvc::compute_t<T>>& /*mass*/,
-             kvc::Vector<kvc::compute_t<T>>& out) const {
+  void score(const kvc::ScoreContext<T>& ctx, kvc::Vector<kvc::compute_t<T>>& out) const {
     using Real = kvc::compute_t<T>;
-    out.resize(layer.tokens());
-    for (kvc::Index j = 0; j < layer.tokens(); ++j) {
-      const T* v = layer.values.row(g, j);
+    out.resize(ctx.tokens());
+    for (kvc::Index j = 0; j < ctx.tokens(); ++j) {
+      const T* v = ctx.value(j);  // row j of this KV head: d elements
       Real sum = 0;
-      for (kvc::Index c = 0; c < layer.head_dim(); ++c) sum += kvc::to_real<Real>(v[c]) * kvc::to_real<Real>(v[c]);
+      for (kvc::Index c = 0; c < ctx.head_dim(); ++c) sum += kvc::to_real<Real>(v[c]) * kvc::to_real<Real>(v[c]);
       out[j] = std::sqrt(sum);
     }
   }
@@ -35,7 +34,9 @@ struct ValueNorm {
 struct MeanMerge {
   struct Arguments {};
   Arguments args;
-  static constexpr bool needs_routing = true;  // composing it with kvc::NoRoute fails to compile
+  struct traits : kvc::PolicyTraits {
+    static constexpr bool needs_routing = true;  // composing it with kvc::NoRoute fails to compile
+  };
 
   kvc::Status validate(kvc::Index /*n*/, kvc::Index /*m*/) const { return kvc::Status::ok(); }
 

@@ -19,22 +19,24 @@ inline LayerView<float> view_of(const engine::LayerInput& in) {
   return layer;
 }
 
-/// Library result → engine layer ([Hkv][m][d] keys and values, [Hkv][m] bias). All heads must keep
-/// the same number of entries (uniform budgets), since the engine has one length per layer.
+/// Library result → engine layer ([Hkv][m][d] keys and values, [Hkv][m] bias, m = the longest head,
+/// and each head's length: per-head budgets, e.g. AdaKV, keep different numbers of entries; rows
+/// beyond a head's length are zero padding that the engine never reads).
 inline engine::CompressedLayer to_engine(const LayerResult<float>& r) {
   engine::CompressedLayer out;
   const Index H = static_cast<Index>(r.heads.size());
   const Index m = r.max_size();
   const Index d = H > 0 ? r.heads[0].keys.cols() : 0;
-  for (const auto& h : r.heads)
-    if (h.size() != m) throw std::runtime_error("engine needs the same number of kept entries in every KV head");
   out.m = m;
   out.next_position = r.next_position;
-  out.keys.resize(static_cast<std::size_t>(H * m * d));
-  out.values.resize(out.keys.size());
-  out.bias.resize(static_cast<std::size_t>(H * m));
-  compact_into(r, make_head_major(out.keys.data(), H, m, d), make_head_major(out.values.data(), H, m, d));
+  out.keys.assign(static_cast<std::size_t>(H * m * d), 0.0f);
+  out.values.assign(out.keys.size(), 0.0f);
+  out.bias.assign(static_cast<std::size_t>(H * m), 0.0f);
+  if (m == 0) return out;
+  const std::vector<Index> lengths =
+      compact_into(r, make_head_major(out.keys.data(), H, m, d), make_head_major(out.values.data(), H, m, d));
   compact_bias_into(r, out.bias.data(), m, m);
+  out.lengths.assign(lengths.begin(), lengths.end());
   return out;
 }
 

@@ -25,7 +25,8 @@ using Compressor = std::function<LayerResult<float>(const LayerView<float>&, con
 
 inline const std::vector<std::string>& method_names() {
   static const std::vector<std::string> names = {"full",           "streaming", "snapkv", "selkv-evict", "selkv",
-                                                 "selkv-mergeall", "knorm",     "grkv",   "grkv-selkv",  "grkv-streaming"};
+                                                 "selkv-mergeall", "knorm",     "tova",   "keydiff",     "adakv-snapkv",
+                                                 "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming"};
   return names;
 }
 
@@ -118,8 +119,8 @@ struct PresetTag {
 };
 
 /// The method table, written once: returns f(PresetTag<Preset>{}) for the preset named `name`;
-/// throws std::invalid_argument for an unknown name. methods.cpp instantiates it for the tool (float,
-/// one-shot runs); the Python module (python/) for its own entry points.
+/// throws std::invalid_argument for an unknown name. Instantiated in runner_float.cpp and
+/// runner_half.cpp (runner.hpp) for the tool, the tests and the Python module.
 template <class F>
 auto visit_method(const std::string& name, F&& f) {
   if (name == "full") return f(PresetTag<FullCache>{});
@@ -129,6 +130,10 @@ auto visit_method(const std::string& name, F&& f) {
   if (name == "selkv") return f(PresetTag<SelKV>{});
   if (name == "selkv-mergeall") return f(PresetTag<SelKVMergeAll>{});
   if (name == "knorm") return f(PresetTag<KNorm>{});
+  if (name == "tova") return f(PresetTag<TOVA>{});
+  if (name == "keydiff") return f(PresetTag<KeyDiff>{});
+  if (name == "adakv-snapkv") return f(PresetTag<AdaKVSnapKV>{});
+  if (name == "adakv-selkv") return f(PresetTag<AdaKVSelKV>{});
   if (name == "grkv") return f(PresetTag<SnapKVGRKV>{});
   if (name == "grkv-selkv") return f(PresetTag<SelKVEvictGRKV>{});
   if (name == "grkv-streaming") return f(PresetTag<StreamingLLMGRKV>{});

@@ -674,9 +674,9 @@ TEST_CASE("run into a reused result and workspace equals a fresh run, and recycl
 }
 
 namespace {
-/// Custom selectors for the two opt-ins a selector may declare. Both keep the first m_g positions.
-/// AppendingSelector appends to the lists it is given, so it relies on a fresh Selection (it declares
-/// no overwrites_selection): a reused one would hold the previous call's positions as well.
+/// Custom selectors that declare nothing (no traits). Both keep the first m_g positions.
+/// AppendingSelector appends to the lists it is given, so it relies on a fresh Selection (it does not
+/// declare overwrites_selection): a reused one would hold the previous call's positions as well.
 struct AppendingSelector {
   struct Arguments {};
   Arguments args;
@@ -707,14 +707,14 @@ struct SeededSelector : AppendingSelector {
 };
 }  // namespace
 
-TEST_CASE("custom selectors: the thread count goes only to a SelectorThreads parameter, and a fresh selection to one that appends",
+TEST_CASE("custom selectors: the thread count goes only to a selector that declares takes_threads, and a fresh selection to one that appends",
           "[pipeline][policy]") {
   INFO("seed " << kvc::test::test_seed());
-  STATIC_REQUIRE(detail::has_select_threads<TopK<>>::value);
-  STATIC_REQUIRE(!detail::has_select_threads<SeededSelector>::value);  // an Index is not a thread count
-  STATIC_REQUIRE(detail::overwrites_selection<TopK<>>::value);
-  STATIC_REQUIRE(detail::overwrites_selection<KeepAll>::value);
-  STATIC_REQUIRE(!detail::overwrites_selection<AppendingSelector>::value);
+  STATIC_REQUIRE(policy_traits<TopK<>>::takes_threads);
+  STATIC_REQUIRE(!policy_traits<SeededSelector>::takes_threads);  // its fourth parameter is a seed
+  STATIC_REQUIRE(policy_traits<TopK<>>::overwrites_selection);
+  STATIC_REQUIRE(policy_traits<KeepAll>::overwrites_selection);
+  STATIC_REQUIRE(!policy_traits<AppendingSelector>::overwrites_selection);
   Data f(415, 40);
   kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
   {
@@ -747,8 +747,6 @@ namespace {
 /// A custom merger that breaks the MergeOutput contract: it sets no gates.
 struct GatelessMerger {
   struct Arguments {};
-  static constexpr bool needs_mass = false;
-  static constexpr bool needs_routing = false;
   Arguments args;
   Status validate(Index, Index) const { return Status::ok(); }
   template <class T>
@@ -866,8 +864,8 @@ TEST_CASE("a result large enough for streaming stores holds exactly the cache ro
       for (Index g = 0; g < Hkv; ++g) CHECK(out.heads[std::size_t(g)].values == fresh.heads[std::size_t(g)].values);
     }
   }
-  STATIC_REQUIRE(!detail::reads_kept_keys<SoftGate>::value);
-  STATIC_REQUIRE(!detail::reads_kept_keys<AttentionRatio>::value);
-  STATIC_REQUIRE(detail::reads_kept_keys<RidgeMerge>::value);  // GRKV reads them: never streamed
-  STATIC_REQUIRE(detail::has_route_keys_streaming<BucketRouter<>>::value);
+  STATIC_REQUIRE(!policy_traits<SoftGate>::reads_kept_keys);
+  STATIC_REQUIRE(!policy_traits<AttentionRatio>::reads_kept_keys);
+  STATIC_REQUIRE(policy_traits<RidgeMerge>::reads_kept_keys);  // GRKV reads them: never streamed
+  STATIC_REQUIRE(policy_traits<BucketRouter<>>::fills_keys);
 }

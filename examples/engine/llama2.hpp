@@ -584,9 +584,12 @@ struct LayerInput {
 
 /// A compressor's result for one layer. keys/values: [Hkv][m][d]; bias: [Hkv][m] additive logit bias
 /// (may be empty = all zeros; -inf is allowed to mask padding slots, NaN/+inf are not);
-/// next_position: RoPE position of the next decoded token (must agree across layers).
+/// lengths: the entries of each KV head (<= m; rows beyond are padding and never read), or empty
+/// when every head keeps m; next_position: RoPE position of the next decoded token (must agree
+/// across layers).
 struct CompressedLayer {
   std::ptrdiff_t m = 0;
+  std::vector<std::ptrdiff_t> lengths;
   std::vector<float> keys, values;
   std::vector<float> bias;
   std::ptrdiff_t next_position = 0;
@@ -618,9 +621,11 @@ inline LayerCompressor full_compressor() {
 // ---------------------------------------------------------------------------------------------
 
 /// Inference state over one Model (which must outlive the session). Per layer: keys and values
-/// [Hkv][capacity][d], an additive logit bias [Hkv][capacity], a length len(layer) (same for all heads
-/// of the layer), and the window queries [Hq][W][d] recorded by the last prefill(). One RoPE position
-/// counter `position()` for the next token; after compression len(layer) may be smaller than it.
+/// [Hkv][capacity][d], an additive logit bias [Hkv][capacity], a length per KV head (equal until a
+/// compressor keeps different numbers of entries per head), and the window queries [Hq][W][d]
+/// recorded by the last prefill(). Head g's entries are its slots 0 .. length(layer, g) − 1; a new
+/// token goes to slot length(layer, g) of every head g. One RoPE position counter `position()` for the
+/// next token; after compression the lengths may be smaller than it.
 class Session {
  public:
   using MatRM = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -633,6 +638,7 @@ class Session {
     layers_.resize(static_cast<std::size_t>(c.n_layers));
     for (LayerState& s : layers_) {
       s.keys.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_ * d_), 0.0f);
+      s.len.assign(static_cast<std::size_t>(c.n_kv_heads), 0);
       s.values.assign(s.keys.size(), 0.0f);
       s.bias.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_), 0.0f);
     }
@@ -641,7 +647,27 @@ class Session {
   const Model& model() const { return *model_; }
   std::ptrdiff_t capacity() const { return capacity_; }
   std::ptrdiff_t position() const { return pos_; }                 ///< RoPE position of the next token
-  std::ptrdiff_t length(int layer) const { return state(layer).len; }  ///< cache entries of `layer`
+  /// Cache entries of the longest KV head of `layer`.
+  std::ptrdiff_t length(int layer) const {
+    const LayerState& s = state(layer);
+    return *std::max_element(s.len.begin(), s.len.end());
+  }
+  /// Cache entries of KV head g of `layer`.
+  std::ptrdiff_t length(int layer, int g) const {
+    const LayerState& s = state(layer);
+    if (g < 0 || g >= static_cast<int>(s.len.size()))
+      throw std::out_of_range("kvc::engine: KV head " + std::to_string(g) + " outside [0, " +
+                              std::to_string(s.len.size()) + ")");
+    return s.len[static_cast<std::size_t>(g)];
+  }
+  /// Entries held by every head of every layer: what a cache with per-head lengths stores (each entry
+  /// a key and a value of head_dim() floats and a bias).
+  std::ptrdiff_t entries() const {
+    std::ptrdiff_t total = 0;
+    for (const LayerState& s : layers_)
+      for (const std::ptrdiff_t l : s.len) total += l;
+    return total;
+  }
   std::ptrdiff_t head_dim() const { return d_; }
   std::ptrdiff_t head_stride() const { return capacity_ * d_; }  ///< elements between heads in keys/values
   std::ptrdiff_t window() const { return window_; }              ///< rows of the recorded window queries
@@ -655,7 +681,7 @@ class Session {
   /// Empties the cache, zeroes the biases and resets the position to 0.
   void reset() {
     for (LayerState& s : layers_) {
-      s.len = 0;
+      std::fill(s.len.begin(), s.len.end(), 0);
       std::fill(s.bias.begin(), s.bias.end(), 0.0f);
       s.queries.clear();
     }
@@ -698,9 +724,11 @@ class Session {
     if (tokens.empty()) throw std::invalid_argument("kvc::engine: prefill() needs at least one token");
     if (window < 0) throw std::invalid_argument("kvc::engine: prefill() window must be >= 0, got " + std::to_string(window));
     for (const LayerState& s : layers_) {
-      if (s.len != pos_) {
-        throw std::runtime_error("kvc::engine: prefill() on a compressed session (cache length " +
-                                 std::to_string(s.len) + " != position " + std::to_string(pos_) + ")");
+      for (const std::ptrdiff_t len : s.len) {
+        if (len != pos_) {
+          throw std::runtime_error("kvc::engine: prefill() on a compressed session (cache length " +
+                                   std::to_string(len) + " != position " + std::to_string(pos_) + ")");
+        }
       }
     }
     check_room(static_cast<std::ptrdiff_t>(tokens.size()));
@@ -732,7 +760,7 @@ class Session {
     in.keys = s.keys.data();
     in.values = s.values.data();
     in.queries = s.queries.data();
-    in.n = s.len;
+    in.n = s.len[0];  // every head's: compress() requires the prefill just before
     in.W = window_;
     in.Hkv = c.n_kv_heads;
     in.Hq = c.n_heads;
@@ -742,10 +770,11 @@ class Session {
   }
 
   /// Calls `fn` for every layer on the cache left by the last prefill(), validates all results
-  /// (sizes, m <= capacity, finite keys/values, bias not NaN/+inf, one next_position >= 0 for all
-  /// layers) and only then writes them: slots 0..m-1 of each layer get the compressed keys, values and
-  /// bias, len(layer) = m, position() = next_position. On any error the session is unchanged.
-  /// Decoded tokens afterwards go to slot len(layer) with bias 0 at RoPE position position().
+  /// (sizes, m <= capacity, lengths in [1, m], finite keys/values, bias not NaN/+inf, one
+  /// next_position >= 0 for all layers) and only then writes them: slots 0..m_g-1 of head g get its
+  /// compressed keys, values and bias, its length is m_g (lengths[g], or m), position() =
+  /// next_position. On any error the session is unchanged. Decoded tokens afterwards go to slot
+  /// length(layer, g) of each head g with bias 0 at RoPE position position().
   void compress(const LayerCompressor& fn) {
     if (!window_valid_) {
       throw std::runtime_error("kvc::engine: compress() must directly follow prefill() (window queries are stale)");
@@ -778,6 +807,16 @@ class Session {
           throw std::runtime_error(where + "bias is NaN or +inf at element " + std::to_string(i));
         }
       }
+      if (!r.lengths.empty() && r.lengths.size() != static_cast<std::size_t>(c.n_kv_heads)) {
+        throw std::runtime_error(where + "lengths has " + std::to_string(r.lengths.size()) +
+                                 " entries, expected one per KV head (" + std::to_string(c.n_kv_heads) + ") or none");
+      }
+      for (const std::ptrdiff_t len : r.lengths) {
+        if (len < 1 || len > r.m) {
+          throw std::runtime_error(where + "a head length " + std::to_string(len) + " is outside [1, m = " +
+                                   std::to_string(r.m) + "]");
+        }
+      }
       if (r.next_position < 0) {
         throw std::runtime_error(where + "next_position = " + std::to_string(r.next_position) + " is negative");
       }
@@ -797,7 +836,8 @@ class Session {
         std::fill(b, b + capacity_, 0.0f);
         if (!r.bias.empty()) std::copy(r.bias.begin() + g * r.m, r.bias.begin() + (g + 1) * r.m, b);
       }
-      s.len = r.m;
+      for (std::ptrdiff_t g = 0; g < c.n_kv_heads; ++g)
+        s.len[static_cast<std::size_t>(g)] = r.lengths.empty() ? r.m : r.lengths[static_cast<std::size_t>(g)];
     }
     pos_ = out.empty() ? pos_ : out[0].next_position;
     window_valid_ = false;
@@ -806,7 +846,7 @@ class Session {
  private:
   struct LayerState {
     std::vector<float> keys, values, bias, queries;
-    std::ptrdiff_t len = 0;
+    std::vector<std::ptrdiff_t> len;  // per KV head
   };
 
   /// Which rows' logits run_block() computes: none, the last token's, or every token's.
@@ -833,9 +873,10 @@ class Session {
                                " would exceed the model's seq_len " + std::to_string(c.seq_len));
     }
     for (std::size_t l = 0; l < layers_.size(); ++l) {
-      if (layers_[l].len + T > capacity_) {
+      const std::ptrdiff_t len = length(static_cast<int>(l));
+      if (len + T > capacity_) {
         throw std::runtime_error("kvc::engine: KV cache of layer " + std::to_string(l) + " is full (" +
-                                 std::to_string(layers_[l].len) + " + " + std::to_string(T) + " > capacity " +
+                                 std::to_string(len) + " + " + std::to_string(T) + " > capacity " +
                                  std::to_string(capacity_) + ")");
       }
     }
@@ -900,8 +941,8 @@ class Session {
       for (std::ptrdiff_t t = 0; t < T; ++t) {
         rope_rotate(q.row(t).data(), Hq, static_cast<int>(d), pos_ + t);
         rope_rotate(k.row(t).data(), Hkv, static_cast<int>(d), pos_ + t);
-        const std::ptrdiff_t slot = s.len + t;
         for (int g = 0; g < Hkv; ++g) {
+          const std::ptrdiff_t slot = s.len[static_cast<std::size_t>(g)] + t;
           std::copy(k.row(t).data() + g * d, k.row(t).data() + (g + 1) * d, s.keys.data() + g * head_stride() + slot * d);
           std::copy(v.row(t).data() + g * d, v.row(t).data() + (g + 1) * d, s.values.data() + g * head_stride() + slot * d);
           s.bias[static_cast<std::size_t>(g * capacity_ + slot)] = 0.0f;
@@ -914,11 +955,11 @@ class Session {
           }
         }
       }
-      // Causal attention: row t sees slots 0 .. len + t.
+      // Causal attention: row t sees slots 0 .. len_g + t of its KV head g.
       for (std::ptrdiff_t t = 0; t < T; ++t) {
-        const std::ptrdiff_t visible = s.len + t + 1;
         for (int h = 0; h < Hq; ++h) {
           const int g = h / G;
+          const std::ptrdiff_t visible = s.len[static_cast<std::size_t>(g)] + t + 1;
           const float* qh = q.row(t).data() + h * d;
           const float* kg = s.keys.data() + g * head_stride();
           const float* vg = s.values.data() + g * head_stride();
@@ -958,7 +999,8 @@ class Session {
       linear(h1, w.w2, dim, proj);
       x += proj;
     }
-    for (LayerState& s : layers_) s.len += T;
+    for (LayerState& s : layers_)
+      for (std::ptrdiff_t& len : s.len) len += T;
     pos_ += T;
     MatRM logits;
     if (rows == LogitRows::kNone) return logits;

@@ -19,6 +19,7 @@
 #include "kvcompress/presets.hpp"
 #include "kvcompress/result.hpp"
 #include "kvcompress/rope.hpp"
+#include "kvcompress/traits.hpp"
 #include "kvcompress/router/bucket_router.hpp"
 #include "kvcompress/scorer/scorers.hpp"
 #include "kvcompress/selector/top_k.hpp"

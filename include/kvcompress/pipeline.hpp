@@ -1,9 +1,11 @@
-// Pipeline<Scorer, Selector, Router, Merger, Compensator>: compresses one layer of one sequence.
+// Pipeline<Scorer, Selector, Router, Merger, Compensator, Allocator>: compresses one layer of one sequence.
 //
-// Read this file first. run() is the whole data flow (SPEC §2–§11):
+// Read this file first. run_unchecked() (run() after the input checks) is the whole data flow, one
+// call per stage (SPEC §2–§11):
 //
 //   window attention  a_g (n)                  per KV head, from the last W queries
 //   Scorer            c_g (n)                  higher = keep
+//   Allocator         m_g                      per-head budgets (UniformBudget: m for every head; AdaKV)
 //   Selector          kept_g (m_g), evicted_g  forced sinks/recent + top scores (per head or shared)
 //   Router            π: evicted → kept        per KV head
 //   Merger            K̃_g, Ṽ_g (m_g, d)        Drop / MergeAll / SoftGate / RidgeMerge
@@ -12,8 +14,10 @@
 //
 // Threads: serial by default. Arguments::threads > 1 runs the per-KV-head stages (window attention +
 // scoring, and route + merge + compensate) on that many std::threads; results are bit-identical for
-// any thread count (see parallel.hpp).
+// any thread count (see parallel.hpp). What a policy declares about itself (what it reads, what it
+// fills) is read from policy_traits (traits.hpp) and nowhere else.
 #pragma once
+#include "kvcompress/allocator/budget.hpp"
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
 #define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
@@ -33,115 +37,48 @@
 
 namespace kvc {
 
-struct Drop;            // merger/gated_merge.hpp
-struct NoCompensation;  // compensator/compensators.hpp
-
 namespace detail {
 
-template <class P, class = void>
-struct needs_mass : std::false_type {};
-template <class P>
-struct needs_mass<P, std::void_t<decltype(P::needs_mass)>> : std::bool_constant<P::needs_mass> {};
-
-template <class P, class = void>
-struct needs_window_outputs : std::false_type {};
-template <class P>
-struct needs_window_outputs<P, std::void_t<decltype(P::needs_window_outputs)>>
-    : std::bool_constant<P::needs_window_outputs> {};
-
-template <class P, class = void>
-struct covers_keys : std::false_type {};
-template <class P>
-struct covers_keys<P, std::void_t<decltype(P::covers_keys)>> : std::bool_constant<P::covers_keys> {};
-
-template <class P, class = void>
-struct covers_values : std::false_type {};
-template <class P>
-struct covers_values<P, std::void_t<decltype(P::covers_values)>> : std::bool_constant<P::covers_values> {};
-
-template <class P, class = void>
-struct fills_keys : std::false_type {};
-template <class P>
-struct fills_keys<P, std::void_t<decltype(P::fills_keys)>> : std::bool_constant<P::fills_keys> {};
-
-template <class P, class = void>
-struct fills_values : std::false_type {};
-template <class P>
-struct fills_values<P, std::void_t<decltype(P::fills_values)>> : std::bool_constant<P::fills_values> {};
-
-/// Whether a merger or compensator reads the kept keys that the router or the gather wrote
-/// (`static constexpr bool reads_kept_keys`); true when a policy does not say.
-template <class P, class = void>
-struct reads_kept_keys : std::true_type {};
-template <class P>
-struct reads_kept_keys<P, std::void_t<decltype(P::reads_kept_keys)>> : std::bool_constant<P::reads_kept_keys> {};
-
-/// Whether a selector overwrites every field of the Selection it is given, whatever it held
-/// (`static constexpr bool overwrites_selection`): then the pipeline reuses the Workspace's. False
-/// when a selector does not say, so a custom selector that appends to `kept` gets a fresh one.
-template <class P, class = void>
-struct overwrites_selection : std::false_type {};
-template <class P>
-struct overwrites_selection<P, std::void_t<decltype(P::overwrites_selection)>>
-    : std::bool_constant<P::overwrites_selection> {};
-
-template <class P, class = void>
-struct needs_routing : std::false_type {};
-template <class P>
-struct needs_routing<P, std::void_t<decltype(P::needs_routing)>> : std::bool_constant<P::needs_routing> {};
+// Compile-time checks of a policy's members, for the static_asserts in Pipeline that name what is missing.
 
 template <class P, class = void>
 struct has_arguments : std::false_type {};
 template <class P>
 struct has_arguments<P, std::void_t<typename P::Arguments>> : std::true_type {};
 
-using ProbeLayer = LayerView<float>;
 using ProbeContext = HeadContext<float>;
 
 template <class P, class = void>
 struct has_score : std::false_type {};
 template <class P>
-struct has_score<P, std::void_t<decltype(std::declval<const P&>().score(
-                        std::declval<const ProbeLayer&>(), Index{}, std::declval<const Vector<float>&>(),
-                        std::declval<Vector<float>&>()))>> : std::true_type {};
+struct has_score<P, std::void_t<decltype(std::declval<const P&>().score(std::declval<const ScoreContext<float>&>(),
+                                                                          std::declval<Vector<float>&>()))>>
+    : std::true_type {};
 
+template <class P, class... Extra>
+using select_call = decltype(std::declval<const P&>().select(std::declval<const std::vector<Vector<float>>&>(),
+                                                             std::declval<const std::vector<Index>&>(),
+                                                             std::declval<Selection<float>&>(), std::declval<Extra>()...));
 template <class P, class = void>
 struct has_select : std::false_type {};
 template <class P>
-struct has_select<P, std::void_t<decltype(std::declval<const P&>().select(
-                         std::declval<const std::vector<Vector<float>>&>(),
-                         std::declval<const std::vector<Index>&>(), std::declval<Selection<float>&>()))>>
-    : std::true_type {};
-
-/// A selector whose select() also takes the pipeline's thread count, as SelectorThreads (TopK).
+struct has_select<P, std::void_t<select_call<P>>> : std::true_type {};
 template <class P, class = void>
 struct has_select_threads : std::false_type {};
 template <class P>
-struct has_select_threads<P, std::void_t<decltype(std::declval<const P&>().select(
-                                 std::declval<const std::vector<Vector<float>>&>(),
-                                 std::declval<const std::vector<Index>&>(), std::declval<Selection<float>&>(),
-                                 SelectorThreads{}))>> : std::true_type {};
+struct has_select_threads<P, std::void_t<select_call<P, Index>>> : std::true_type {};
 
+template <class P, class... Extra>
+using route_call = decltype(std::declval<const P&>().route(std::declval<const ProbeContext&>(),
+                                                           std::declval<Routing&>(), std::declval<Extra>()...));
 template <class P, class = void>
 struct has_route : std::false_type {};
 template <class P>
-struct has_route<P, std::void_t<decltype(std::declval<const P&>().route(
-                        std::declval<const ProbeContext&>(), std::declval<Routing&>()))>> : std::true_type {};
-
+struct has_route<P, std::void_t<route_call<P>>> : std::true_type {};
 template <class P, class = void>
 struct has_route_keys : std::false_type {};
 template <class P>
-struct has_route_keys<P, std::void_t<decltype(std::declval<const P&>().route(
-                             std::declval<const ProbeContext&>(), std::declval<Routing&>(),
-                             std::declval<RowMatrix<float>&>()))>> : std::true_type {};
-
-/// A router whose kept-key fill also takes KeptKeyStores (BucketRouter).
-template <class P, class = void>
-struct has_route_keys_streaming : std::false_type {};
-template <class P>
-struct has_route_keys_streaming<P, std::void_t<decltype(std::declval<const P&>().route(
-                                       std::declval<const ProbeContext&>(), std::declval<Routing&>(),
-                                       std::declval<RowMatrix<float>&>(), KeptKeyStores{}))>> : std::true_type {};
+struct has_route_keys<P, std::void_t<route_call<P, RowMatrix<float>&>>> : std::true_type {};
 
 template <class P, class = void>
 struct has_merge : std::false_type {};
@@ -162,7 +99,7 @@ struct has_compensate<P, std::void_t<decltype(std::declval<const P&>().compensat
 
 /// Scratch memory of Pipeline::run reused across calls: the per-worker window-attention buffers
 /// (O(G·W·n) floats each), the per-head mass and score vectors, for a selector that overwrites it
-/// (TopK, KeepAll) the selection, a Routing per worker and a MergeOutput per head. The policies here
+/// (PolicyTraits::overwrites_selection: TopK, KeepAll) the selection, a Routing per worker and a MergeOutput per head. The policies here
 /// keep their working memory in those (Selection::scratch, Routing::scratch, MergeOutput::scratch).
 /// An engine that compresses layer after layer keeps one Workspace (per thread calling run) and
 /// passes it with a reused LayerResult: with repeating shapes and threads = 1, a reused call of
@@ -178,7 +115,7 @@ struct Workspace {
   std::vector<Routing> routing;  // per worker: evicted → kept targets of its current head (and the router's scratch)
   std::vector<MergeOutput<Real>> merged;  // per head: its gates and the merger's scratch (keys and values empty between calls)
   std::vector<RowMatrix<Real>> outputs;  // per head (G·W, d): window outputs Y, for mergers that read them
-  Selection<Real> selection;  // the selector's output, for selectors with overwrites_selection (TopK, KeepAll)
+  Selection<Real> selection;  // the selector's output, for selectors that overwrite it (TopK, KeepAll)
   std::vector<Index> budgets;  // per head, clamped to n
   std::vector<char> finite, values_finite;  // per head: the folded NaN/Inf scans
   Vector<Real> shared_bias;  // shared selection: the mean bias
@@ -201,10 +138,10 @@ struct Workspace {
   }
 };
 
-template <class Scorer, class Selector, class Router, class Merger, class Compensator>
+template <class Scorer, class Selector, class Router, class Merger, class Compensator, class Allocator = UniformBudget>
 class Pipeline {
   static_assert(detail::has_arguments<Scorer>::value && detail::has_score<Scorer>::value,
-                "Scorer must have a nested `Arguments` and `score(layer, g, mass, out)` (see scorer/scorers.hpp)");
+                "Scorer must have a nested `Arguments` and `score(ctx, out)` (see scorer/scorers.hpp)");
   static_assert(detail::has_arguments<Selector>::value && detail::has_select<Selector>::value,
                 "Selector must have a nested `Arguments` and `select(scores, budgets, selection)` (see selector/top_k.hpp)");
   static_assert(detail::has_arguments<Router>::value && detail::has_route<Router>::value,
@@ -213,9 +150,13 @@ class Pipeline {
                 "Merger must have a nested `Arguments` and `merge(ctx, routing, out)` (see merger/gated_merge.hpp)");
   static_assert(detail::has_arguments<Compensator>::value && detail::has_compensate<Compensator>::value,
                 "Compensator must have a nested `Arguments` and `compensate(ctx, routing, merged, bias)` (see compensator/compensators.hpp)");
-  static_assert(!detail::fills_keys<Router>::value || detail::has_route_keys<Router>::value,
-                "a Router with fills_keys must have `route(ctx, routing, kept_keys)` (see router/bucket_router.hpp)");
-  static_assert(!detail::needs_routing<Merger>::value || !std::is_same_v<Router, NoRoute>,
+  static_assert(detail::has_arguments<Allocator>::value,
+                "Allocator must have a nested `Arguments` and `allocate(scores, budgets)` (see allocator/budget.hpp)");
+  static_assert(!policy_traits<Router>::fills_keys || detail::has_route_keys<Router>::value,
+                "a Router with traits::fills_keys must have `route(ctx, routing, kept_keys)` (see router/bucket_router.hpp)");
+  static_assert(!policy_traits<Selector>::takes_threads || detail::has_select_threads<Selector>::value,
+                "a Selector with traits::takes_threads must have `select(scores, budgets, selection, Index threads)`");
+  static_assert(!policy_traits<Merger>::needs_routing || !std::is_same_v<Router, NoRoute>,
                 "this Merger pours evicted tokens into routed targets: pair it with a Router (e.g. BucketRouter<>), not NoRoute");
 
  public:
@@ -224,6 +165,7 @@ class Pipeline {
   using router_type = Router;
   using merger_type = Merger;
   using compensator_type = Compensator;
+  using allocator_type = Allocator;
 
   /// Every stage's options with the preset's defaults, plus the attention and RoPE options.
   struct Arguments {
@@ -233,6 +175,7 @@ class Pipeline {
     typename Router::Arguments router{};
     typename Merger::Arguments merger{};
     typename Compensator::Arguments compensator{};
+    typename Allocator::Arguments allocator{};
     RopeArguments reposition;  ///< off by default
     bool check_finite = true;  ///< reject NaN/Inf in K, V and the window queries; K and V are checked
                                ///< through the logits / scores when a stage reads them anyway. Off
@@ -328,30 +271,35 @@ class Pipeline {
     return validate_options(layer, [&](Index g) { return std::min(budgets[static_cast<std::size_t>(g)], layer.tokens()); });
   }
 
-  static constexpr bool kNeedsMass = detail::needs_mass<Scorer>::value || detail::needs_mass<Router>::value ||
-                                     detail::needs_mass<Merger>::value || detail::needs_mass<Compensator>::value;
+  using ScorerTraits = policy_traits<Scorer>;
+  using SelectorTraits = policy_traits<Selector>;
+  using RouterTraits = policy_traits<Router>;
+  using MergerTraits = policy_traits<Merger>;
+  using CompensatorTraits = policy_traits<Compensator>;
+
+  /// Whether the window attention stage runs (else a_g = 0).
+  static constexpr bool kNeedsMass = ScorerTraits::needs_mass || RouterTraits::needs_mass ||
+                                     MergerTraits::needs_mass || CompensatorTraits::needs_mass;
 
   /// Window attention's logits (float arithmetic) or a key-covering scorer's scores stand in for the
   /// NaN/Inf scan of the keys; a value-covering scorer's scores for the scan of the values. Otherwise
   /// V is scanned head by head inside stage 1 (so the scan runs on the worker threads too), K up front.
   template <class T>
-  static constexpr bool kFoldKeyScan =
-      (kNeedsMass && std::is_same_v<compute_t<T>, float>) || detail::covers_keys<Scorer>::value;
-  static constexpr bool kScanValuesPerHead = !detail::covers_values<Scorer>::value;
-  /// Nothing after the values' gather reads the kept values (the merger drops, the compensator reads
-  /// no rows): the gather then writes them with streaming stores (detail::gather_positions), for a
-  /// result of at least kStreamMinBytes (K and V of all heads, detail::result_rows_bytes), which would
-  /// not stay in cache for the caller anyway; a smaller one is written with ordinary stores, so that
-  /// the caller (compact_into) finds it in cache.
-  static constexpr bool kStreamGathers = std::is_same_v<Merger, Drop> && std::is_same_v<Compensator, NoCompensation>;
-  /// Nothing after the router (or the keys' gather) reads the kept keys (the merger and the
-  /// compensator say so with `reads_kept_keys = false`): with the same size rule and no RoPE
-  /// repositioning, the kept keys are written with streaming stores, by the gather or by a router
-  /// that fills them (has_route_keys_streaming).
-  static constexpr bool kStreamKeys = !detail::reads_kept_keys<Merger>::value && !detail::reads_kept_keys<Compensator>::value;
+  static constexpr bool kFoldKeyScan = (kNeedsMass && std::is_same_v<compute_t<T>, float>) || ScorerTraits::covers_keys;
+  static constexpr bool kScanValuesPerHead = !ScorerTraits::covers_values;
+  /// Nothing after the values' gather reads or changes the kept values: the gather then writes them
+  /// with streaming stores (detail::gather_positions), for a result of at least kStreamMinBytes (K and
+  /// V of all heads, detail::result_rows_bytes), which would not stay in cache for the caller anyway; a
+  /// smaller one is written with ordinary stores, so that the caller (compact_into) finds it in cache.
+  static constexpr bool kStreamGathers =
+      MergerTraits::keeps_values && !MergerTraits::reads_kept_values && !CompensatorTraits::reads_kept_values;
+  /// Nothing after the router (or the keys' gather) reads the kept keys: with the same size rule and
+  /// no RoPE repositioning, the kept keys are written with streaming stores, by the gather or by a
+  /// router that fills them.
+  static constexpr bool kStreamKeys = !MergerTraits::reads_kept_keys && !CompensatorTraits::reads_kept_keys;
   static constexpr std::size_t kStreamMinBytes = detail::kStreamMinBytes;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
-  static constexpr bool kOutputsFromMass = kNeedsMass && detail::needs_window_outputs<Merger>::value;
+  static constexpr bool kOutputsFromMass = kNeedsMass && MergerTraits::needs_window_outputs;
 
   /// After stage 1 with check_finite: the folded K / V scans (kFoldKeyScan, kScanValuesPerHead). A
   /// non-finite window logit or covering score means a non-finite key or value row (named as validate()
@@ -359,7 +307,7 @@ class Pipeline {
   template <class T, class Real>
   void check_folded_scans(const LayerView<T>& layer, const std::vector<char>& finite,
                           const std::vector<char>& values_finite, const std::vector<Vector<Real>>& score) const {
-    constexpr bool covers = detail::covers_keys<Scorer>::value || detail::covers_values<Scorer>::value;
+    constexpr bool covers = ScorerTraits::covers_keys || ScorerTraits::covers_values;
     for (Index g = 0; g < layer.kv_heads(); ++g) {
       const bool logits_ok = finite[static_cast<std::size_t>(g)] != 0;
       const bool score_ok = !covers || score[static_cast<std::size_t>(g)].allFinite();
@@ -385,15 +333,14 @@ class Pipeline {
 
   /// validate() or throw; `out` <- the per-head budgets clamped to n (returned; `budgets` may be `out`).
   template <class T>
-  const std::vector<Index>& checked_budgets(const LayerView<T>& layer, const Budget& budget,
-                                            std::vector<Index>& out) const {
+  std::vector<Index>& checked_budgets(const LayerView<T>& layer, const Budget& budget, std::vector<Index>& out) const {
     throw_if_invalid(layer, budget);
     out.assign(static_cast<std::size_t>(layer.kv_heads()), std::min(budget.resolve(layer.tokens()), layer.tokens()));
     return out;
   }
   template <class T>
-  const std::vector<Index>& checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets,
-                                            std::vector<Index>& out) const {
+  std::vector<Index>& checked_budgets(const LayerView<T>& layer, const std::vector<Index>& budgets,
+                                      std::vector<Index>& out) const {
     throw_if_invalid(layer, budgets);
     out.resize(budgets.size());
     for (std::size_t g = 0; g < budgets.size(); ++g) out[g] = std::min(budgets[g], layer.tokens());
@@ -410,7 +357,12 @@ class Pipeline {
     KVC_RETURN_IF_ERROR(router().validate());
     for (Index g = 0; g < H; ++g) KVC_RETURN_IF_ERROR(merger().validate(layer.tokens(), budget_of(g)));
     KVC_RETURN_IF_ERROR(compensator().validate());
+    KVC_RETURN_IF_ERROR(allocator().validate());
     KVC_RETURN_IF_ERROR(args_.reposition.validate(layer.head_dim()));
+    if (selector().shares_positions() && !allocator().keeps_budgets())
+      return Status::fail(Status::Code::invalid_argument,
+                          "this allocator gives KV heads different budgets: pair it with per-head selection, "
+                          "not shared selection");
     if (selector().shares_positions())
       for (Index g = 1; g < H; ++g)
         if (budget_of(g) != budget_of(0))
@@ -424,6 +376,7 @@ class Pipeline {
   Router router() const { return Router{args_.router}; }
   Merger merger() const { return Merger{args_.merger}; }
   Compensator compensator() const { return Compensator{args_.compensator}; }
+  Allocator allocator() const { return Allocator{args_.allocator}; }
 
   /// Whether KV head g's keys and values and its group's window queries are finite: known when
   /// check_finite validated them, scanned otherwise (on error paths only).
@@ -437,162 +390,209 @@ class Pipeline {
     return true;
   }
 
+  /// The whole data flow (SPEC §2–§11). Each stage below is one function of this class.
   template <class T>
-  void run_unchecked(const LayerView<T>& layer, const std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
+  void run_unchecked(const LayerView<T>& layer, std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
                      Workspace<compute_t<T>>& ws, bool release_scratch = false) const {
     using Real = compute_t<T>;
-    const Index H = layer.kv_heads(), n = layer.tokens(), d = layer.head_dim();
+    // 1. Window attention and scores, per KV head.     ws.mass[g], ws.score[g]: (n)
+    score_heads(layer, ws, release_scratch);
+    // 2. Budget allocation.                            budgets: [Hkv] m_g, Σ m_g kept
+    allocator().allocate(ws.score, budgets);
+    // 3. Selection.                                    kept[g]: (m_g) ascending, evicted[g]: (n − m_g)
+    Selection<Real> fresh;
+    const Selection<Real>& sel = select(ws, budgets, fresh);
+    // 4. Per KV head: route, merge, compensate.        keys, values: (m_g, d), bias: (m_g)
+    compress_heads(layer, sel, ws, result);
+    // 5. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
+    if (sel.shared) share_bias(result, ws.shared_bias);
+    // 6. Optional RoPE repositioning to positions 0..m−1 (SPEC §10).
+    result.next_position = layer.tokens();
+    if (args_.reposition.enabled) reposition(layer, result);
+  }
 
-    // 1. Window attention and scores, per KV head. mass[g]: (n), score[g]: (n)
-    //    scratch: one (G·W, n) workspace per worker, reused across its heads (and calls).
-    std::vector<Vector<Real>>& mass = ws.mass;
-    std::vector<Vector<Real>>& score = ws.score;
-    mass.resize(static_cast<std::size_t>(H));
-    score.resize(static_cast<std::size_t>(H));
-    std::vector<WindowWorkspace<Real>>& scratch = ws.window;
-    if (kNeedsMass && static_cast<Index>(scratch.size()) < worker_count(H, args_.threads))
-      scratch.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
-    std::vector<char>& finite = ws.finite;                // per head: every window logit finite
-    std::vector<char>& values_finite = ws.values_finite;  // per head: every value row finite
-    finite.assign(static_cast<std::size_t>(H), 1);
-    values_finite.assign(static_cast<std::size_t>(H), 1);
-    if (kOutputsFromMass) ws.outputs.resize(static_cast<std::size_t>(H));
+  /// Stage 1: ws.mass[g] <- a_g (when a policy needs it, else 0), ws.score[g] <- the scorer's scores,
+  /// and ws.outputs[g] <- Y = A·V for a merger that reads it. Scratch: one (G·W, n) window workspace
+  /// per worker, reused across its heads (and calls).
+  template <class T>
+  void score_heads(const LayerView<T>& layer, Workspace<compute_t<T>>& ws, bool release_scratch) const {
+    using Real = compute_t<T>;
+    const Index H = layer.kv_heads(), n = layer.tokens();
+    const auto heads = static_cast<std::size_t>(H);
+    ws.mass.resize(heads);
+    ws.score.resize(heads);
+    if (kNeedsMass && static_cast<Index>(ws.window.size()) < worker_count(H, args_.threads))
+      ws.window.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
+    ws.finite.assign(heads, 1);         // per head: every window logit finite
+    ws.values_finite.assign(heads, 1);  // per head: every value row finite
+    if (kOutputsFromMass) ws.outputs.resize(heads);
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
-      if (kScanValuesPerHead && args_.check_finite)
-        values_finite[static_cast<std::size_t>(g)] = detail::head_finite_scan(layer.values, g);
+      const auto h = static_cast<std::size_t>(g);
+      if (kScanValuesPerHead && args_.check_finite) ws.values_finite[h] = detail::head_finite_scan(layer.values, g);
       if constexpr (kNeedsMass) {
-        finite[static_cast<std::size_t>(g)] = window_mass<Real>(layer, g, args_.attention, mass[g], scratch[worker]);
-        if constexpr (kOutputsFromMass) window_outputs_after_mass(layer, g, scratch[worker], ws.outputs[g]);
+        ws.finite[h] = window_mass<Real>(layer, g, args_.attention, ws.mass[h], ws.window[worker]);
+        if constexpr (kOutputsFromMass) window_outputs_after_mass(layer, g, ws.window[worker], ws.outputs[h]);
       } else {
-        mass[g].setZero(n);
+        ws.mass[h].setZero(n);
       }
-      scorer().score(layer, g, mass[g], score[g]);
+      scorer().score(ScoreContext<T>(layer, g, args_.attention, ws.mass[h], &args_.reposition), ws.score[h]);
     });
-    if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(scratch);  // one-shot run(): free it now
-    if (args_.check_finite) check_folded_scans(layer, finite, values_finite, score);
+    if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(ws.window);  // one-shot run(): free it now
+    if (args_.check_finite) check_folded_scans(layer, ws.finite, ws.values_finite, ws.score);
+  }
 
-    // 2. Selection. kept[g]: (m_g) ascending. Into the workspace's Selection when the selector
-    //    overwrites all of it (its vectors keep their capacity across calls), else a fresh one.
-    Selection<Real> fresh_selection;
-    Selection<Real>& sel = detail::overwrites_selection<Selector>::value ? ws.selection : fresh_selection;
-    if constexpr (detail::has_select_threads<Selector>::value)
-      selector().select(score, budgets, sel, SelectorThreads{args_.threads});
+  /// Stage 3: the selector's output, in the workspace's Selection when the selector overwrites all of
+  /// it (its vectors keep their capacity across calls), else in `fresh`.
+  template <class Real>
+  const Selection<Real>& select(Workspace<Real>& ws, const std::vector<Index>& budgets, Selection<Real>& fresh) const {
+    Selection<Real>& sel = SelectorTraits::overwrites_selection ? ws.selection : fresh;
+    if constexpr (SelectorTraits::takes_threads)
+      selector().select(ws.score, budgets, sel, args_.threads);
     else
-      selector().select(score, budgets, sel);
+      selector().select(ws.score, budgets, sel);
+    return sel;
+  }
 
-    // 3. Per KV head: route, merge, compensate. The result's previous buffers are recycled.
+  /// Stage 4: every head's result from its selection (heads in parallel). The result's previous
+  /// buffers are recycled.
+  template <class T>
+  void compress_heads(const LayerView<T>& layer, const Selection<compute_t<T>>& sel, Workspace<compute_t<T>>& ws,
+                      LayerResult<compute_t<T>>& result) const {
+    const Index H = layer.kv_heads();
     result.heads.resize(static_cast<std::size_t>(H));
     result.shared_positions = sel.shared;
     // The condition window_exp_tiles_t applied (only float keys can take AMX); fma without a window stage.
     result.window_product = WindowProduct::fma;
     if constexpr (kNeedsMass)
-      result.window_product = detail::window_product_for<T>(args_.attention, d, layer.group_size() * layer.window());
-    const std::size_t result_bytes = detail::result_rows_bytes(sel.kept, d, sizeof(Real));
-    const bool stream = kStreamGathers && result_bytes >= kStreamMinBytes;
-    const bool stream_keys = kStreamKeys && result_bytes >= kStreamMinBytes && !args_.reposition.enabled;
+      result.window_product =
+          detail::window_product_for<T>(args_.attention, layer.head_dim(), layer.group_size() * layer.window());
+    const bool large = detail::result_rows_bytes(sel.kept, layer.head_dim(), sizeof(compute_t<T>)) >= kStreamMinBytes;
+    const Stores stores{kStreamGathers && large, kStreamKeys && large && !args_.reposition.enabled};
     if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
       ws.routing.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
     if (static_cast<Index>(ws.merged.size()) < H) ws.merged.resize(static_cast<std::size_t>(H));
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
-      const HeadContext<T> ctx(layer, g, args_.attention, mass[g], sel.score[g], sel.kept[g], sel.evicted[g],
-                               kOutputsFromMass ? &ws.outputs[static_cast<std::size_t>(g)] : nullptr);
-      Routing& routing = ws.routing[static_cast<std::size_t>(worker)];
-      HeadResult<Real>& out = result.heads[g];
-      // The head's MergeOutput: its gate and merger scratch keep their storage from call to call
-      // (per head, so that heads of different budgets reallocate nothing either); keys and values
-      // are the result's own storage, lent for this head and handed back at the end of this scope,
-      // also when a policy throws.
-      MergeOutput<Real>& merged = ws.merged[static_cast<std::size_t>(g)];
-      merged.diagnostics = HeadDiagnostics{};
-      merged.keys.swap(out.keys);
-      merged.values.swap(out.values);
-      struct GiveBack {
-        MergeOutput<Real>& from;
-        HeadResult<Real>& to;
-        ~GiveBack() {
-          to.keys.swap(from.keys);
-          to.values.swap(from.values);
-        }
-      } give_back{merged, out};
-      const Index m = static_cast<Index>(sel.kept[g].size());
-      merged.keys.resize(m, d);    // (m_g, d): the kept rows, written below by the
-      merged.values.resize(m, d);  // router / merger or by the gathers
-      // π: (n − m_g) → kept index. A router or merger that fills the kept keys / values in its own
-      // sweep over the cache (fills_keys / fills_values) saves the gather's pass over those rows.
-      if constexpr (detail::fills_keys<Router>::value) {
-        if constexpr (detail::has_route_keys_streaming<Router>::value)
-          router().route(ctx, routing, merged.keys, KeptKeyStores{stream_keys});
-        else
-          router().route(ctx, routing, merged.keys);
-      } else {
-        router().route(ctx, routing);
-        detail::gather_positions<Real>(layer.keys, g, sel.kept[g], merged.keys, stream_keys);
-      }
-      if constexpr (!detail::fills_values<Merger>::value)
-        detail::gather_positions<Real>(layer.values, g, sel.kept[g], merged.values, stream);
-      // The gates arrive sized one per evicted token and poisoned, so that one the merger leaves
-      // unwritten shows as NaN below (instead of passing with last call's value or uninitialised).
-      merged.gate.setConstant(static_cast<Index>(sel.evicted[g].size()), std::numeric_limits<Real>::quiet_NaN());
-      merger().merge(ctx, routing, merged);
-      if (merged.gate.size() != static_cast<Index>(sel.evicted[g].size()))
-        throw error(detail::concat("the merger set ", merged.gate.size(), " gates for KV head ", g, ", which evicts ",
-                                   sel.evicted[g].size(), " tokens: MergeOutput::gate needs one per evicted token"));
-      // Part of the input checks: with check_finite off (results unspecified for non-finite input),
-      // neither is a NaN gate reported.
-      if (args_.check_finite)
-        for (Index e = 0; e < merged.gate.size(); ++e)
-          if (std::isnan(merged.gate[e]))
-            throw error(detail::concat("gate ", e, " of KV head ", g, " is NaN: the merger left it unset (a merger must "
-                                       "write every gate on every path) or computed it from sums that overflow"));
-
-      // Results are checked whatever check_finite says (it waives the input scans only): a merge of
-      // finite values near the type's limit can overflow, and finite input never gives a non-finite
-      // result. With check_finite off the input is scanned on that error path alone, and non-finite
-      // input keeps its unspecified (non-finite) result.
-      if constexpr (!std::is_same_v<Merger, Drop>) {  // O(m_g·d); Drop only copies finite rows
-        Index i = 0, c = 0;
-        if (detail::find_unrepresentable<Real>(merged.values, i, c) && input_finite(layer, g))
-          throw error(detail::concat("merged value [", g, "][", i, "][", c, "] = ", merged.values(i, c),
-                                     " is not finite: merging values this large overflows the arithmetic type"));
-      }
-      compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
-      if (!out.bias.allFinite() && input_finite(layer, g)) {  // O(m_g)
-        Index i = 0;
-        while (std::isfinite(out.bias[i])) ++i;
-        throw error(detail::concat("bias[", i, "] = ", out.bias[i], " of KV head ", g, " is not finite although the ",
-                                   "input is: the compensator's arithmetic overflows"));
-      }
-
-      out.positions = sel.kept[g];
-      out.diagnostics = merged.diagnostics;
-      fill_counts(merged, out.diagnostics);
+      const auto h = static_cast<std::size_t>(g);
+      HeadContext<T> ctx(layer, g, args_.attention, ws.mass[h], sel.score[h], sel.kept[h], sel.evicted[h],
+                         kOutputsFromMass ? &ws.outputs[h] : nullptr, &args_.reposition);
+      ctx.set_streaming_stores(stores.keys);
+      compress_head(ctx, stores, ws.routing[static_cast<std::size_t>(worker)], ws.merged[h], result.heads[h]);
     });
+  }
 
-    // 4. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
-    if (sel.shared && H > 1) {
-      Vector<Real>& mean = ws.shared_bias;
-      mean.setZero(result.heads[0].size());
-      for (const auto& h : result.heads) mean += h.bias;
-      mean /= static_cast<Real>(H);
-      for (auto& h : result.heads) h.bias = mean;
-    }
+  /// Whether the kept rows are written with streaming stores (see kStreamGathers, kStreamKeys).
+  struct Stores {
+    bool values = false, keys = false;
+  };
 
-    // 5. Optional RoPE repositioning to contiguous positions 0..m−1 (SPEC §10).
-    result.next_position = n;
-    if (args_.reposition.enabled) {
-      for (std::size_t g = 0; g < result.heads.size(); ++g) {
-        auto& h = result.heads[g];
-        for (Index i = 0; i < h.size(); ++i)
-          rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
-        // A rotation grows a pair's larger entry by up to √2: keys near the type's largest value overflow.
-        Index i = 0, c = 0;
-        if (detail::find_unrepresentable<Real>(h.keys, i, c) && input_finite(layer, static_cast<Index>(g)))
-          throw error(detail::concat("repositioned key [", g, "][", i, "][", c, "] = ", h.keys(i, c), " (position ",
-                                     h.positions[static_cast<std::size_t>(i)], ") is not finite although the input is: ",
-                                     "rotating keys this large overflows the arithmetic type"));
+  /// One head of stage 4: route (π: evicted → kept), gather the kept rows, merge, compensate.
+  /// `merged` is the head's MergeOutput: its gate and merger scratch keep their storage from call to
+  /// call; its keys and values are `out`'s own storage, lent for this head and handed back at the end
+  /// of this scope, also when a policy throws.
+  template <class T>
+  void compress_head(const HeadContext<T>& ctx, Stores stores, Routing& routing, MergeOutput<compute_t<T>>& merged,
+                     HeadResult<compute_t<T>>& out) const {
+    using Real = compute_t<T>;
+    const Index g = ctx.head(), d = ctx.head_dim();
+    const auto& kept = ctx.kept();
+    merged.diagnostics = HeadDiagnostics{};
+    merged.keys.swap(out.keys);
+    merged.values.swap(out.values);
+    struct GiveBack {
+      MergeOutput<Real>& from;
+      HeadResult<Real>& to;
+      ~GiveBack() {
+        to.keys.swap(from.keys);
+        to.values.swap(from.values);
       }
-      result.next_position = result.max_size();
+    } give_back{merged, out};
+    const Index m = static_cast<Index>(kept.size());
+    merged.keys.resize(m, d);    // (m_g, d): the kept rows, written below by the
+    merged.values.resize(m, d);  // router / merger or by the gathers
+    if constexpr (RouterTraits::fills_keys) {
+      router().route(ctx, routing, merged.keys);  // (n − m_g) targets, and the kept keys
+    } else {
+      router().route(ctx, routing);  // (n − m_g) targets
+      detail::gather_positions<Real>(ctx.layer().keys, g, kept, merged.keys, stores.keys);
     }
+    if constexpr (!MergerTraits::fills_values)
+      detail::gather_positions<Real>(ctx.layer().values, g, kept, merged.values, stores.values);
+    // The gates arrive sized one per evicted token and poisoned, so that one the merger leaves
+    // unwritten shows as NaN in check_merge (instead of passing with last call's value).
+    merged.gate.setConstant(static_cast<Index>(ctx.evicted().size()), std::numeric_limits<Real>::quiet_NaN());
+    merger().merge(ctx, routing, merged);  // keys, values: (m_g, d), gate: (n − m_g)
+    check_merge(ctx, merged);
+    compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
+    check_bias(ctx, out.bias);
+    out.positions = kept;
+    out.diagnostics = merged.diagnostics;
+    fill_counts(merged, out.diagnostics);
+  }
+
+  /// A gate per evicted token, none NaN (with check_finite), and merged values that are finite
+  /// whenever the head's input is.
+  template <class T>
+  void check_merge(const HeadContext<T>& ctx, const MergeOutput<compute_t<T>>& merged) const {
+    const Index g = ctx.head();
+    if (merged.gate.size() != static_cast<Index>(ctx.evicted().size()))
+      throw error(detail::concat("the merger set ", merged.gate.size(), " gates for KV head ", g, ", which evicts ",
+                                 ctx.evicted().size(), " tokens: MergeOutput::gate needs one per evicted token"));
+    // Part of the input checks: with check_finite off (results unspecified for non-finite input),
+    // neither is a NaN gate reported.
+    if (args_.check_finite)
+      for (Index e = 0; e < merged.gate.size(); ++e)
+        if (std::isnan(merged.gate[e]))
+          throw error(detail::concat("gate ", e, " of KV head ", g, " is NaN: the merger left it unset (a merger must "
+                                     "write every gate on every path) or computed it from sums that overflow"));
+    // Results are checked whatever check_finite says (it waives the input scans only): a merge of
+    // finite values near the type's limit can overflow, and finite input never gives a non-finite
+    // result. With check_finite off the input is scanned on that error path alone, and non-finite
+    // input keeps its unspecified (non-finite) result. A merger that keeps the gathered values skips it.
+    if constexpr (!MergerTraits::keeps_values) {  // O(m_g·d)
+      Index i = 0, c = 0;
+      if (detail::find_unrepresentable<compute_t<T>>(merged.values, i, c) && input_finite(ctx.layer(), g))
+        throw error(detail::concat("merged value [", g, "][", i, "][", c, "] = ", merged.values(i, c),
+                                   " is not finite: merging values this large overflows the arithmetic type"));
+    }
+  }
+
+  /// A bias that is finite whenever the head's input is. O(m_g).
+  template <class T>
+  void check_bias(const HeadContext<T>& ctx, const Vector<compute_t<T>>& bias) const {
+    if (bias.allFinite() || !input_finite(ctx.layer(), ctx.head())) return;
+    Index i = 0;
+    while (std::isfinite(bias[i])) ++i;
+    throw error(detail::concat("bias[", i, "] = ", bias[i], " of KV head ", ctx.head(), " is not finite although the ",
+                               "input is: the compensator's arithmetic overflows"));
+  }
+
+  /// Stage 5: each head's bias <- the mean over heads (shared selection: every head keeps the same
+  /// positions, SPEC §8).
+  template <class Real>
+  static void share_bias(LayerResult<Real>& result, Vector<Real>& mean) {
+    if (result.heads.size() <= 1) return;
+    mean.setZero(result.heads[0].size());
+    for (const auto& h : result.heads) mean += h.bias;
+    mean /= static_cast<Real>(result.heads.size());
+    for (auto& h : result.heads) h.bias = mean;
+  }
+
+  /// Stage 6: kept keys re-embedded at positions 0..m_g−1 (SPEC §10); the next token uses max m_g.
+  template <class T>
+  void reposition(const LayerView<T>& layer, LayerResult<compute_t<T>>& result) const {
+    const Index d = layer.head_dim();
+    for (std::size_t g = 0; g < result.heads.size(); ++g) {
+      auto& h = result.heads[g];
+      for (Index i = 0; i < h.size(); ++i)
+        rope_shift(h.keys.row(i).data(), d, args_.reposition, double(i) - double(h.positions[i]));
+      // A rotation grows a pair's larger entry by up to √2: keys near the type's largest value overflow.
+      Index i = 0, c = 0;
+      if (detail::find_unrepresentable<compute_t<T>>(h.keys, i, c) && input_finite(layer, static_cast<Index>(g)))
+        throw error(detail::concat("repositioned key [", g, "][", i, "][", c, "] = ", h.keys(i, c), " (position ",
+                                   h.positions[static_cast<std::size_t>(i)], ") is not finite although the input is: ",
+                                   "rotating keys this large overflows the arithmetic type"));
+    }
+    result.next_position = result.max_size();
   }
 
   template <class Real>

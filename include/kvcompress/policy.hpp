@@ -1,13 +1,17 @@
-// The types the pipeline's policies exchange: per-head context, routing, merge output, diagnostics.
+// The types the pipeline's policies exchange: the scorer's and the per-head contexts, routing, merge
+// output, diagnostics.
 #pragma once
 #include "kvcompress/attention/window_attention.hpp"
 #include "kvcompress/core.hpp"
+#include "kvcompress/rope.hpp"
+#include "kvcompress/traits.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace kvc {
@@ -43,107 +47,58 @@ struct HeadDiagnostics {
   bool value_step_rejected = false;  ///< a value step failed or gave non-finite / out-of-range values: kept V⁰
 };
 
-/// Window outputs Y = A·V_g (G·W, d) of KV head g straight from the layer. For float arithmetic one
-/// fused pass per key tile (flash-attention style): logits (G·W, tile) by one product, the online causal
-/// softmax epilogue (simd::softmax_tile), the tile's contribution exps·V_tile, the running outputs
-/// rescaled when a row's maximum grows; the (G·W, n) probabilities are never stored. Equals
-/// window_probabilities(...)·V up to rounding. Cost: two (G·W × d × n) products + G·W·n exponentials;
-/// memory O(G·W·(tile + d)).
-template <class Real, class T>
-void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments& args, RowMatrix<Real>& Y) {
-  const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
-  const Index R = G * W;
-  if constexpr (std::is_same_v<Real, float>) {
-    using Arch = simd::default_arch;
-    constexpr Index tile = detail::kSoftmaxTile;
-    const float scale = static_cast<float>(args.resolved_scale(d));
-    const float cap = static_cast<float>(args.softcap);
-    const RowMatrix<float> q = gather_group_queries<float>(layer, g);  // (R, d)
-    RowMatrix<float> exps(R, tile), part(R, d), ktile, vtile;           // (R, tile), (R, d)
-    if constexpr (!std::is_same_v<T, float>) {
-      ktile.resize(std::min(tile, n), d);
-      vtile.resize(std::min(tile, n), d);
-    }
-    Vector<float> row_max = Vector<float>::Constant(R, -std::numeric_limits<float>::infinity());
-    Vector<float> row_sum = Vector<float>::Zero(R), shift(R);
-    Vector<float> applied = row_max;  // (R) the maximum Y's rows are currently relative to
-    std::vector<Index> live(static_cast<std::size_t>(R));
-    Y.setZero(R, d);
-    for (Index j0 = 0; j0 < n; j0 += tile) {
-      const Index cnt = std::min(tile, n - j0);
-      auto block = exps.leftCols(cnt);
-      if constexpr (std::is_same_v<T, float>) {
-        block.noalias() = scale * (q * detail::map_rows<float>(layer.keys, g, j0, cnt).transpose());
-      } else {
-        auto keys = ktile.topRows(cnt);
-        detail::gather_rows<float>(layer.keys, g, j0, cnt, keys);
-        block.noalias() = scale * (q * keys.transpose());
-      }
-      for (Index r = 0; r < R; ++r) live[static_cast<std::size_t>(r)] = n - W + r % W + 1 - j0;
-      simd::softmax_tile<Arch>(exps.data(), tile, R, cnt, live.data(), cap, row_max.data(), row_sum.data(),
-                               shift.data());
-      if constexpr (std::is_same_v<T, float>) {
-        part.noalias() = block * detail::map_rows<float>(layer.values, g, j0, cnt);
-      } else {
-        auto values = vtile.topRows(cnt);
-        detail::gather_rows<float>(layer.values, g, j0, cnt, values);
-        part.noalias() = block * values;
-      }
-      for (Index r = 0; r < R; ++r) {
-        if (shift[r] != applied[r]) {  // the row's maximum grew: rescale what was accumulated
-          if (applied[r] != -std::numeric_limits<float>::infinity())
-            Y.row(r) *= std::exp(applied[r] - shift[r]);
-          applied[r] = shift[r];
-        }
-        Y.row(r) += part.row(r);
-      }
-    }
-    for (Index r = 0; r < R; ++r)
-      if (row_sum[r] > 0.0f) Y.row(r) *= 1.0f / row_sum[r];
-  } else {  // the reference path: probabilities, then one product
-    RowMatrix<Real> A;  // (R, n)
-    window_probabilities<Real>(layer, g, args, A);
-    KVC_ASSERT(A.rows() == R);
-    (void)R;
-    detail::probabilities_times_values(layer, g, A, Y);
-  }
-}
-
-/// Everything a per-head policy (router, merger, compensator) may read about KV head `head`.
-/// Views point into the caller's memory (read only). Window probabilities are computed on first use.
+/// Everything a scorer may read about KV head `head`: the layer, the window attention mass and, on
+/// request, the window probabilities (per query row or all rows), the window queries, the attention
+/// and RoPE arguments and the entries' original positions. The per-head policies after selection
+/// read a HeadContext, which extends it. Views point into the caller's memory (read only).
 template <class T>
-class HeadContext {
+class ScoreContext {
  public:
   using Real = compute_t<T>;
 
-  HeadContext(const LayerView<T>& layer, Index head, const AttentionArguments& attention,
-              const Vector<Real>& mass, const Vector<Real>& score, const std::vector<Index>& kept,
-              const std::vector<Index>& evicted, const RowMatrix<Real>* window_outputs = nullptr)
-      : layer_(layer), head_(head), attention_(attention), mass_(mass), score_(score), kept_(kept),
-        evicted_(evicted), given_outputs_(window_outputs) {}
+  ScoreContext(const LayerView<T>& layer, Index head, const AttentionArguments& attention, const Vector<Real>& mass,
+               const RopeArguments* rope = nullptr)
+      : layer_(layer), head_(head), attention_(attention), mass_(mass), rope_(rope) {}
 
   const LayerView<T>& layer() const { return layer_; }
   Index head() const { return head_; }
-  Index tokens() const { return layer_.tokens(); }     // n
-  Index window() const { return layer_.window(); }     // W
+  Index tokens() const { return layer_.tokens(); }          // n
+  Index window() const { return layer_.window(); }          // W
   Index group_size() const { return layer_.group_size(); }  // G
-  Index head_dim() const { return layer_.head_dim(); }  // d
+  Index head_dim() const { return layer_.head_dim(); }      // d
   const AttentionArguments& attention() const { return attention_; }
   Real scale() const { return static_cast<Real>(attention_.resolved_scale(head_dim())); }
+  /// The RoPE arguments of the cached keys (the pipeline's Arguments::reposition: layout, theta,
+  /// rotary dimension, whether or not repositioning is on).
+  const RopeArguments& rope() const {
+    static const RopeArguments defaults;
+    return rope_ != nullptr ? *rope_ : defaults;
+  }
 
-  const T* key(Index j) const { return layer_.keys.row(head_, j); }
-  const T* value(Index j) const { return layer_.values.row(head_, j); }
+  const T* key(Index j) const { return layer_.keys.row(head_, j); }      // d elements
+  const T* value(Index j) const { return layer_.values.row(head_, j); }  // d elements
+  /// Window query row i (absolute position n − W + i) of query head head·G + local_head: d elements.
+  const T* query(Index local_head, Index i) const {
+    return layer_.queries.row(head_ * group_size() + local_head, layer_.queries.tokens - window() + i);
+  }
+  /// The original position of entry j (the position its key was rotated at).
+  Index position(Index j) const { return j; }
 
-  /// (n) raw window attention mass a_g.
+  /// (n) raw window attention mass a_g (zeros unless a policy declares traits::needs_mass).
   const Vector<Real>& mass() const { return mass_; }
-  /// (n) the score the selector ranked by (pooled where pooling is on).
-  const Vector<Real>& score() const { return score_; }
-  /// (m) kept positions, ascending.
-  const std::vector<Index>& kept() const { return kept_; }
-  /// (n - m) evicted positions, ascending.
-  const std::vector<Index>& evicted() const { return evicted_; }
 
-  /// (G·W, n) causal window probabilities of this head's query group, row r = local_head*W + i.
+  /// p (n) <- the causal window probabilities of row r = local_head·W + i of this head's query group
+  /// (SPEC §2): softmax_j(softcap(scale·<q, k_j>)) for j <= n − W + i, 0 beyond. O(n·d), no other
+  /// memory. Throws kvc::error when a logit is not finite (keys or queries too large for the
+  /// arithmetic type).
+  void row_probabilities(Index r, Vector<Real>& p) const {
+    if (!window_row_probabilities(layer_, head_, r, attention_, p))
+      throw error(detail::concat("a window-attention logit of KV head ", head_, ", window row ", r,
+                                 " is not finite: |scale·<q, k>| overflows the arithmetic type"));
+  }
+
+  /// (G·W, n) causal window probabilities of this head's query group, row r = local_head·W + i;
+  /// computed on first use (one G·W × d × n product, O(G·W·n) memory).
   const RowMatrix<Real>& probabilities() const {
     if (!probs_) {
       probs_.emplace();
@@ -151,6 +106,45 @@ class HeadContext {
     }
     return *probs_;
   }
+
+ protected:
+  const LayerView<T>& layer_;
+  Index head_;
+  const AttentionArguments& attention_;
+  const Vector<Real>& mass_;
+  const RopeArguments* rope_;
+  mutable std::optional<RowMatrix<Real>> probs_;
+};
+
+/// Everything a per-head policy (router, merger, compensator) may read about KV head `head`: the
+/// ScoreContext, the scores the selector ranked by, the kept and evicted positions and the window
+/// outputs. Window probabilities and outputs are computed on first use.
+template <class T>
+class HeadContext : public ScoreContext<T> {
+  using Base = ScoreContext<T>;
+
+ public:
+  using Real = compute_t<T>;
+
+  HeadContext(const LayerView<T>& layer, Index head, const AttentionArguments& attention,
+              const Vector<Real>& mass, const Vector<Real>& score, const std::vector<Index>& kept,
+              const std::vector<Index>& evicted, const RowMatrix<Real>* window_outputs = nullptr,
+              const RopeArguments* rope = nullptr)
+      : Base(layer, head, attention, mass, rope), score_(score), kept_(kept), evicted_(evicted),
+        given_outputs_(window_outputs) {}
+
+  /// Whether a policy that fills the kept rows itself (PolicyTraits::fills_keys) may write them with
+  /// streaming stores: nothing reads them soon after and the result is too large to stay in cache. A
+  /// hint for speed only.
+  bool streaming_stores() const { return streaming_stores_; }
+  void set_streaming_stores(bool on) { streaming_stores_ = on; }
+
+  /// (n) the score the selector ranked by (pooled where pooling is on).
+  const Vector<Real>& score() const { return score_; }
+  /// (m) kept positions, ascending.
+  const std::vector<Index>& kept() const { return kept_; }
+  /// (n - m) evicted positions, ascending.
+  const std::vector<Index>& evicted() const { return evicted_; }
 
   /// (G·W, d) window outputs Y = A·V_g of this head's query group (rows as in probabilities()): the
   /// matrix handed to the constructor (a pipeline that still holds the head's window exponentials
@@ -161,30 +155,20 @@ class HeadContext {
     if (given_outputs_) return *given_outputs_;
     if (!outputs_) {
       outputs_.emplace();
-      if (probs_) {
-        outputs_from_probabilities(*probs_, *outputs_);
-      } else {
-        kvc::window_outputs<Real>(layer_, head_, attention_, *outputs_);
-      }
+      if (this->probs_)
+        detail::probabilities_times_values(this->layer_, this->head_, *this->probs_, *outputs_);
+      else
+        kvc::window_outputs<Real>(this->layer_, this->head_, this->attention_, *outputs_);
     }
     return *outputs_;
   }
 
  private:
-  const LayerView<T>& layer_;
-  Index head_;
-  const AttentionArguments& attention_;
-  const Vector<Real>& mass_;
   const Vector<Real>& score_;
   const std::vector<Index>& kept_;
   const std::vector<Index>& evicted_;
-  // Y = A·V from normalised probabilities A (R, n).
-  void outputs_from_probabilities(const RowMatrix<Real>& A, RowMatrix<Real>& Y) const {
-    detail::probabilities_times_values(layer_, head_, A, Y);
-  }
-
   const RowMatrix<Real>* given_outputs_ = nullptr;
-  mutable std::optional<RowMatrix<Real>> probs_;
+  bool streaming_stores_ = false;
   mutable std::optional<RowMatrix<Real>> outputs_;
 };
 
@@ -236,27 +220,10 @@ struct Routing {
   detail::NotCopied<detail::RouteScratch> scratch;
 };
 
-/// How a router that fills the kept keys should store them (see MergeOutput): with `streaming`,
-/// non-temporal stores where the rows are aligned for them, for a result that nothing reads soon
-/// after. A hint for speed only: the stored values are the same either way.
-struct KeptKeyStores {
-  bool streaming = false;
-};
-
 /// Merger output for one head. The pipeline fills keys and values with the kept tokens' original
-/// rows before calling the merger, so a merger that does nothing (Drop) is the identity. Two opt-ins
-/// save the pipeline's pass over those rows (gathering them from the cache) by writing them inside
-/// a sweep over the cache that reads them anyway:
-/// - a router with `static constexpr bool fills_keys = true` provides
-///   route(ctx, routing, RowMatrix<Real>& kept_keys), which must also write every kept key row
-///   (BucketRouter);
-/// - a merger with `static constexpr bool fills_values = true` gets `values` as (m, d) storage of
-///   unspecified contents and must write every row itself (GatedMerge).
-/// A merger or compensator that never reads `keys` may say `static constexpr bool reads_kept_keys =
-/// false` (GatedMerge, Drop and the compensators here do): when both say so, the pipeline writes the
-/// kept keys of a large result with streaming stores (a hint for speed only; the values are the same),
-/// through the gather or, for a fills_keys router that also provides
-/// route(ctx, routing, kept_keys, KeptKeyStores), through the router (BucketRouter).
+/// rows before calling the merger, so a merger that does nothing (Drop) is the identity, unless a
+/// policy writes them itself in a sweep that reads the cache anyway (PolicyTraits::fills_keys on the
+/// router, fills_values on the merger).
 /// Every merger must set `gate` to one entry per evicted token (Drop: zeros), writing every entry on
 /// every path, and for finite input never NaN. The pipeline hands `gate` over already sized one per
 /// evicted token with every entry NaN, and after each merge checks the gate's size and, with

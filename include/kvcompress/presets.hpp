@@ -8,6 +8,8 @@
 #include "kvcompress/merger/ridge.hpp"
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/router/bucket_router.hpp"
+#include "kvcompress/scorer/key_diversity.hpp"
+#include "kvcompress/scorer/last_query_attention.hpp"
 #include "kvcompress/scorer/scorers.hpp"
 #include "kvcompress/selector/top_k.hpp"
 
@@ -36,6 +38,20 @@ using SelKVMergeAll = Pipeline<ValueWeighted, TopK<0, 16, 5, Granularity::shared
 
 /// KNorm: keep low-norm keys (plus the recent window), per KV head.
 using KNorm = Pipeline<KeyNorm, TopK<0, 32, 0>, NoRoute, Drop, NoCompensation>;
+
+/// TOVA: the attention of the last window query (group mean), per KV head; the last token is kept.
+using TOVA = Pipeline<LastQueryAttention, TopK<0, 1, 0>, NoRoute, Drop, NoCompensation>;
+
+/// KeyDiff: keep the keys least similar to the head's mean key direction, per KV head.
+using KeyDiff = Pipeline<KeyDiversity, TopK<>, NoRoute, Drop, NoCompensation>;
+
+/// AdaKV over SnapKV: the layer's Hkv·m entries shared out by one top-k over every head's window
+/// mass (each head keeps at least a fifth of m), then SnapKV's selection per head.
+using AdaKVSnapKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, Drop, NoCompensation, AdaKV>;
+
+/// AdaKV over SelKV: SelKV's scores, routing, soft gate and bias with per-head selection (shared
+/// selection needs equal budgets).
+using AdaKVSelKV = Pipeline<ValueWeighted, TopK<0, 16, 5>, BucketRouter<32>, SoftGate, AttentionRatio, AdaKV>;
 
 /// GRKV after SnapKV eviction (the paper's main setting): ridge re-fit of the kept values, then keys.
 using SnapKVGRKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, RidgeMerge, NoCompensation>;

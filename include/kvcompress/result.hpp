@@ -95,7 +95,8 @@ bool views_overlap(const TensorView<T>& a, const TensorView<T>& b) {
 }  // namespace detail
 
 /// Writes head g's compressed keys and values into rows 0..m_g−1 of `keys_out` / `values_out`,
-/// converting to the cache's element type. Either layout works (the views carry the strides). The
+/// converting to the cache's element type, and returns the lengths m_g (one per head: with per-head
+/// budgets, e.g. AdaKV, they differ, and a ragged cache keeps head g's first m_g rows). Either layout works (the views carry the strides). The
 /// destination may be the very cache the layer was read from (in-place compaction): the result
 /// already holds its own copy. Rows ≥ m_g are not touched. Throws kvc::error, and writes nothing,
 /// when shapes do not fit, when the rows written to keys_out and values_out would share memory, or
@@ -103,8 +104,8 @@ bool views_overlap(const TensorView<T>& a, const TensorView<T>& b) {
 /// of a half cache can be): every entry is checked before the first is written, nothing is clamped.
 /// O(Σ m_g·d).
 template <class Real, class T>
-void compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out,
-                  const TensorView<T>& values_out) {
+std::vector<Index> compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out,
+                                const TensorView<T>& values_out) {
   static_assert(!std::is_const_v<T>, "compact_into needs writable views");
   using detail::concat;
   detail::check_view(keys_out, "keys_out").throw_if_error();
@@ -145,6 +146,9 @@ void compact_into(const LayerResult<Real>& result, const TensorView<T>& keys_out
       }
     }
   }
+  std::vector<Index> lengths(static_cast<std::size_t>(H));
+  for (Index g = 0; g < H; ++g) lengths[static_cast<std::size_t>(g)] = result.heads[static_cast<std::size_t>(g)].size();
+  return lengths;
 }
 
 /// Writes the bias of head g into bias_out[g * head_stride + i] for i < m_g (e.g. an engine's

@@ -335,3 +335,56 @@ TEST_CASE("decode attention rejects inconsistent shapes and writes nothing", "[a
   CHECK((out.array() == out_before.array()).all());
   CHECK(out.rows() == 2);
 }
+
+TEST_CASE("decode attention over a ragged cache: head g reads its first lengths[g] entries only", "[attention][decode]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(209);
+  const long Hkv = 3, G = 2, d = 24, t = 1100;  // crosses a key tile of the float kernel
+  const ref::Tensor3 K = kvc::test::random_tensor(rng, Hkv, t, d, 1.5);
+  const ref::Tensor3 V = kvc::test::random_tensor(rng, Hkv, t, d);
+  const Eigen::MatrixXd q = kvc::test::random_matrix(rng, Hkv * G, d, 1.5);
+  const Eigen::MatrixXd bias = kvc::test::random_matrix(rng, Hkv, 700, 1.0);
+  const std::vector<Index> lengths = {1, 1100, 613};
+  // Reference: each head on its own, over its first lengths[g] entries.
+  Eigen::MatrixXd want(Hkv * G, d);
+  for (long g = 0; g < Hkv; ++g) {
+    const long L = lengths[static_cast<std::size_t>(g)];
+    ref::Tensor3 Kg(1, L, d), Vg(1, L, d);
+    for (long j = 0; j < L; ++j)
+      for (long k = 0; k < d; ++k) {
+        Kg.at(0, j, k) = K.at(g, j, k);
+        Vg.at(0, j, k) = V.at(g, j, k);
+      }
+    const Eigen::MatrixXd bg = bias.row(g).head(std::min<long>(L, bias.cols()));
+    want.middleRows(g * G, G) = ref::decode_attention(q.middleRows(g * G, G), Kg, Vg, bg, 1.0 / std::sqrt(double(d)), 0.0);
+  }
+  // The rows beyond each head's length hold NaN: reading one would show.
+  ref::Tensor3 Kp = K, Vp = V;
+  for (long g = 0; g < Hkv; ++g)
+    for (long j = lengths[static_cast<std::size_t>(g)]; j < t; ++j)
+      for (long k = 0; k < d; ++k) Kp.at(g, j, k) = Vp.at(g, j, k) = std::numeric_limits<double>::quiet_NaN();
+  const AttentionArguments args;
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    using Real = compute_t<T>;
+    kvc::test::Buffer<T> kb(Kp, Layout::head_major), vb(Vp, Layout::head_major);
+    const RowMatrix<Real> bias_rm = bias.cast<Real>();
+    const BiasView<Real> bv{bias_rm.data(), bias.rows(), bias.cols(), bias.cols()};
+    RowMatrix<Real> out;
+    decode_attention<T>(q.cast<Real>(), kb.cview(), vb.cview(), bv, args, lengths, out);
+    return Eigen::MatrixXd(out.template cast<double>());
+  };
+  const Eigen::MatrixXd got_f = run(float{}), got_d = run(double{});
+  REQUIRE(got_f.allFinite());
+  CHECK(kvc::test::normwise_error(got_f, want) <= kTol.float_vs_double.values.norm);
+  CHECK(kvc::test::normwise_error(got_d, want) <= 1e-13);
+
+  // Bad lengths are errors, and nothing is written.
+  kvc::test::Buffer<float> kb(K, Layout::head_major), vb(V, Layout::head_major);
+  RowMatrix<float> out = RowMatrix<float>::Constant(2, 2, 7.0f);
+  for (const std::vector<Index>& bad : {std::vector<Index>{1, 2}, std::vector<Index>{1, 0, 5}, std::vector<Index>{1, 1101, 5}}) {
+    CHECK_THROWS_AS(decode_attention<float>(q.cast<float>(), kb.cview(), vb.cview(), BiasView<float>{}, args, bad, out),
+                    kvc::error);
+    CHECK(out == RowMatrix<float>::Constant(2, 2, 7.0f));
+  }
+}

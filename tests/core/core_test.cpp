@@ -244,6 +244,29 @@ TEST_CASE("bad input is rejected with the field and value, and nothing is writte
   CHECK(b.queries.data == q_before);
 }
 
+TEST_CASE("compact_into writes each head's own length over a ragged result and returns the lengths", "[core][compact]") {
+  Fixture f;
+  kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::head_major);
+  const auto r = SnapKV{}.run(b.view(), std::vector<Index>{7, 12});
+  REQUIRE(r.heads[0].size() == 7);
+  REQUIRE(r.heads[1].size() == 12);
+  std::vector<float> k(2 * 12 * 8, -7.f), v(2 * 12 * 8, -7.f);
+  const std::vector<Index> lengths = compact_into(r, make_head_major(k.data(), 2, 12, 8), make_head_major(v.data(), 2, 12, 8));
+  CHECK(lengths == std::vector<Index>{7, 12});
+  for (Index g = 0; g < 2; ++g)
+    for (Index i = 0; i < 12; ++i)
+      for (Index c = 0; c < 8; ++c) {
+        const std::size_t at = static_cast<std::size_t>((g * 12 + i) * 8 + c);
+        if (i < lengths[static_cast<std::size_t>(g)]) {
+          CHECK(k[at] == r.heads[g].keys(i, c));
+          CHECK(v[at] == r.heads[g].values(i, c));
+        } else {  // beyond the head's length: untouched
+          CHECK(k[at] == -7.f);
+          CHECK(v[at] == -7.f);
+        }
+      }
+}
+
 TEST_CASE("compact_into rejects destinations that do not fit and writes nothing", "[core][errors][compact]") {
   Fixture f;
   kvc::test::LayerBuffers<float> b(f.K, f.V, f.Q, Layout::token_major);

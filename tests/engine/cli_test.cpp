@@ -40,7 +40,9 @@ TEST_CASE("compress round-trips through .npy and matches the library", "[cli][np
   kvc::engine::write_npy(tmp / "V.npy", {H, n, d}, V.data());
   kvc::engine::write_npy(tmp / "Q.npy", {Hq, W, d}, Q.data());
 
-  for (const std::string method : {"selkv", "snapkv", "grkv", "streaming"}) {
+  // adakv-snapkv keeps a different number of entries per head: rows beyond a head's length are
+  // padding (position -1, zeros), lengths.npy says how many are real.
+  for (const std::string method : {"selkv", "snapkv", "grkv", "streaming", "adakv-snapkv", "adakv-selkv"}) {
     INFO(method);
     std::string out, err;
     REQUIRE(run({"compress", "--keys", tmp / "K.npy", "--values", tmp / "V.npy", "--queries", tmp / "Q.npy",
@@ -51,24 +53,35 @@ TEST_CASE("compress round-trips through .npy and matches the library", "[cli][np
     const auto keys = kvc::engine::read_npy(tmp / (method + "/keys.npy"));
     const auto values = kvc::engine::read_npy(tmp / (method + "/values.npy"));
     const auto bias = kvc::engine::read_npy(tmp / (method + "/bias.npy"));
-    CHECK(pos.shape == std::vector<std::int64_t>{H, 24});
-    CHECK(keys.shape == std::vector<std::int64_t>{H, 24, d});
-    CHECK(values.shape == std::vector<std::int64_t>{H, 24, d});
-    CHECK(bias.shape == std::vector<std::int64_t>{H, 24});
+    const auto lengths = kvc::engine::read_npy(tmp / (method + "/lengths.npy"));
 
     const kvc::LayerView<float> layer{kvc::make_head_major<const float>(K.data(), H, n, d),
                                       kvc::make_head_major<const float>(V.data(), H, n, d),
                                       kvc::make_head_major<const float>(Q.data(), Hq, W, d)};
     const auto direct = kvc::cli::make_method(method)(layer, kvc::Budget::tokens(24));
-    for (std::int64_t g = 0; g < H; ++g)
-      for (std::int64_t i = 0; i < 24; ++i) {
-        CHECK(pos.i[g * 24 + i] == direct.heads[g].positions[i]);
-        CHECK(bias.f[g * 24 + i] == direct.heads[g].bias[i]);
+    const std::int64_t m = direct.max_size();
+    if (method.rfind("adakv", 0) != 0) CHECK(m == 24);
+    REQUIRE(lengths.shape == std::vector<std::int64_t>{H});
+    CHECK(pos.shape == std::vector<std::int64_t>{H, m});
+    CHECK(keys.shape == std::vector<std::int64_t>{H, m, d});
+    CHECK(values.shape == std::vector<std::int64_t>{H, m, d});
+    CHECK(bias.shape == std::vector<std::int64_t>{H, m});
+    std::int64_t total = 0;
+    for (std::int64_t g = 0; g < H; ++g) {
+      const std::int64_t len = direct.heads[g].size();
+      CHECK(lengths.i[g] == len);
+      total += len;
+      for (std::int64_t i = 0; i < m; ++i) {
+        const bool real = i < len;
+        CHECK(pos.i[g * m + i] == (real ? direct.heads[g].positions[i] : -1));
+        CHECK(bias.f[g * m + i] == (real ? direct.heads[g].bias[i] : 0.0f));
         for (std::int64_t c = 0; c < d; ++c) {
-          CHECK(keys.f[(g * 24 + i) * d + c] == direct.heads[g].keys(i, c));
-          CHECK(values.f[(g * 24 + i) * d + c] == direct.heads[g].values(i, c));
+          CHECK(keys.f[(g * m + i) * d + c] == (real ? direct.heads[g].keys(i, c) : 0.0f));
+          CHECK(values.f[(g * m + i) * d + c] == (real ? direct.heads[g].values(i, c) : 0.0f));
         }
       }
+    }
+    CHECK(total == H * 24);
   }
 }
 

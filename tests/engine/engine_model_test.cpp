@@ -463,6 +463,83 @@ TEST_CASE("compression: per-head eviction, biases and a position offset match th
   CHECK(s.length(0) == m + 12);
 }
 
+TEST_CASE("compression with per-head lengths: each head keeps its own count and matches the reference", "[engine][model]") {
+  const Config& c = model().config();
+  const std::vector<int> seq = test_sequence(72, 9);
+  const int n = 60;
+  const std::vector<int> prefix(seq.begin(), seq.begin() + n);
+  // Head g keeps the 4 sinks, every (3 + g)-th position from 4, and the last 6: a different count per head.
+  auto kept = [&](int g) {
+    std::vector<int> pos{0, 1, 2, 3};
+    for (int j = 4; j < n - 8; j += 3 + g) pos.push_back(j);
+    for (int j = n - 6; j < n; ++j) pos.push_back(j);
+    return pos;
+  };
+  std::ptrdiff_t m = 0;
+  for (int g = 0; g < c.n_kv_heads; ++g) m = std::max<std::ptrdiff_t>(m, static_cast<std::ptrdiff_t>(kept(g).size()));
+  REQUIRE(c.n_kv_heads > 1);
+  REQUIRE(kept(1).size() < kept(0).size());
+  // Padding rows hold NaN-free garbage with a large bias: the engine must not read them.
+  const LayerCompressor ragged = [&](const LayerInput& in) {
+    CompressedLayer out;
+    out.m = m;
+    out.next_position = n;
+    out.keys.assign(static_cast<std::size_t>(in.Hkv * m * in.d), 5.0f);
+    out.values.assign(out.keys.size(), 5.0f);
+    out.bias.assign(static_cast<std::size_t>(in.Hkv * m), 50.0f);
+    for (std::ptrdiff_t g = 0; g < in.Hkv; ++g) {
+      const std::vector<int> pos = kept(static_cast<int>(g));
+      out.lengths.push_back(static_cast<std::ptrdiff_t>(pos.size()));
+      for (std::size_t s = 0; s < pos.size(); ++s) {
+        std::copy_n(in.keys + g * in.head_stride + pos[s] * in.d, in.d, out.keys.begin() + (g * m + static_cast<std::ptrdiff_t>(s)) * in.d);
+        std::copy_n(in.values + g * in.head_stride + pos[s] * in.d, in.d, out.values.begin() + (g * m + static_cast<std::ptrdiff_t>(s)) * in.d);
+        out.bias[static_cast<std::size_t>(g * m) + s] = 0.0f;
+      }
+    }
+    return out;
+  };
+  Session s(model());
+  s.prefill(prefix, 8);
+  s.compress(ragged);
+  std::ptrdiff_t entries = 0;
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      CHECK(s.length(l, g) == static_cast<std::ptrdiff_t>(kept(g).size()));
+      entries += s.length(l, g);
+    }
+  CHECK(s.length(0) == m);
+  CHECK(s.entries() == entries);
+  CHECK(entries < c.n_layers * c.n_kv_heads * m);  // fewer than one length per layer would hold
+
+  RefCache ref = ref_empty_cache();
+  for (int t = 0; t < n; ++t) ref_step(ref, seq[static_cast<std::size_t>(t)], t);
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      std::vector<RefEntry>& list = ref[static_cast<std::size_t>(l)][static_cast<std::size_t>(g)];
+      std::vector<RefEntry> picked;
+      for (const int p : kept(g)) picked.push_back(list[static_cast<std::size_t>(p)]);
+      list = picked;
+    }
+  double worst = 0;
+  for (int t = n; t < 72; ++t) {
+    const int tok = seq[static_cast<std::size_t>(t)];
+    worst = std::max(worst, max_abs_diff(s.forward(tok), ref_step(ref, tok, t)));
+  }
+  CHECK(worst < kLogitTol);
+  for (int g = 0; g < c.n_kv_heads; ++g) CHECK(s.length(0, g) == static_cast<std::ptrdiff_t>(kept(g).size()) + 12);
+
+  // Lengths that do not fit are refused and the session is unchanged.
+  Session bad(model());
+  bad.prefill(prefix, 8);
+  const LayerCompressor too_long = [&](const LayerInput& in) {
+    CompressedLayer out = ragged(in);
+    out.lengths[0] = m + 1;
+    return out;
+  };
+  CHECK_THROWS_WITH(bad.compress(too_long), Catch::Contains("outside [1, m"));
+  CHECK(bad.length(0, 0) == n);
+}
+
 // max |a - b| relative to max(1, max |b|).
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());

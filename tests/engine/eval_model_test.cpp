@@ -46,6 +46,17 @@ TEST_CASE("generate and eval run end to end on the model", "[cli][model]") {
               out, err) == 0);
   CHECK_THAT(out, Catch::Contains("there was a little girl named Lily"));
   CHECK_THAT(out, Catch::Contains("identical over 40 tokens"));
+  // At ratio 1.0 every entry stays; AdaKV's per-head budgets keep Hkv·m per layer in all.
+  const auto model = kvc::engine::Model::load(g_model_dir + "/stories260K.bin");
+  const kvc::engine::Config& c = model.config();
+  std::string want = "cache after compression: ";
+  REQUIRE(run({"generate", "--prompt", "Once upon a time", "--method", "adakv-snapkv", "--budget", "3", "--max-tokens", "5"},
+              out, err) == 0);
+  const std::vector<int> prompt = kvc::engine::Tokenizer::load(g_model_dir + "/tok512.bin", c.vocab_size)
+                                      .encode("Once upon a time", true);
+  want += std::to_string(c.n_layers * c.n_kv_heads * 3) + " of " +
+          std::to_string(c.n_layers * c.n_kv_heads * static_cast<int>(prompt.size())) + " entries";
+  CHECK_THAT(out, Catch::Contains(want));
   REQUIRE(run({"eval", "--samples", "2", "--length", "200", "--prefix", "160", "--methods", "snapkv,selkv,grkv",
                "--ratios", "0.25", "--csv", "--quiet"},
               out, err) == 0);

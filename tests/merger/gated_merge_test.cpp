@@ -32,7 +32,7 @@ using kvc::test::routing_from;
 namespace {
 
 /// Runs `Merger` on head g the way the pipeline does: out.keys / out.values start as the kept rows,
-/// except out.values of a merger that fills them (detail::fills_values), which then starts as NaN:
+/// except out.values of a merger that fills them (PolicyTraits::fills_values), which then starts as NaN:
 /// a row it forgets to write fails every comparison. For those, the result with the kept rows
 /// gathered first must be bit-identical (the merger may not depend on what out.values held).
 /// `route`: the reference route (n entries, kept positions); converted to indices into `kept`.
@@ -53,7 +53,7 @@ MergeOutput<compute_t<T>> run_merge(const LayerView<T>& layer, Index g, const Ve
       out.keys(i, k) = to_real<Real>(layer.keys.row(g, kept[static_cast<std::size_t>(i)])[k]);
       out.values(i, k) = to_real<Real>(layer.values.row(g, kept[static_cast<std::size_t>(i)])[k]);
     }
-  if constexpr (detail::fills_values<Merger>::value) {
+  if constexpr (policy_traits<Merger>::fills_values) {
     MergeOutput<Real> gathered = out;
     Merger{}.merge(ctx, routing, gathered);
     out.values.setConstant(std::numeric_limits<Real>::quiet_NaN());

@@ -39,7 +39,7 @@ std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector
                                 const std::vector<Index>& kept, Index bucket, RouteStatistic stat) {
   const AttentionArguments attn;
   const std::vector<Index> evicted = complement(kept, layer.tokens());
-  const HeadContext<T> ctx(layer, g, attn, mass, mass, kept, evicted);
+  HeadContext<T> ctx(layer, g, attn, mass, mass, kept, evicted);
   typename BucketRouter<>::Arguments args;
   args.bucket = bucket;
   args.statistic = stat;
@@ -51,7 +51,8 @@ std::vector<long> library_route(const LayerView<T>& layer, Index g, const Vector
     RowMatrix<Real> kept_keys = RowMatrix<Real>::Constant(static_cast<Index>(kept.size()), layer.head_dim(),
                                                           std::numeric_limits<Real>::quiet_NaN());
     Routing routing_fill;
-    BucketRouter<>{args}.route(ctx, routing_fill, kept_keys, KeptKeyStores{streaming});
+    ctx.set_streaming_stores(streaming);
+    BucketRouter<>{args}.route(ctx, routing_fill, kept_keys);
     CHECK(routing_fill.target == routing.target);
     for (std::size_t i = 0; i < kept.size(); ++i) {
       bool row_equal = true;

@@ -1,5 +1,6 @@
-// Scorers (SPEC §4): AttentionMass, ValueWeighted, KeyNorm and Position against the reference scorers,
-// fed with the library's own window attention mass, and through a pipeline's selection.
+// Scorers (SPEC §4, docs/methods.md): AttentionMass, ValueWeighted, KeyNorm, Position,
+// LastQueryAttention (TOVA) and KeyDiversity (KeyDiff) against the reference scorers, fed with the
+// library's own window attention mass, and through a pipeline's selection; ScoreContext's window rows.
 #include <catch2/catch.hpp>
 
 #include <kvcompress/attention/window_attention.hpp>
@@ -8,6 +9,8 @@
 #include <kvcompress/pipeline.hpp>
 #include <kvcompress/presets.hpp>
 #include <kvcompress/router/bucket_router.hpp>
+#include <kvcompress/scorer/key_diversity.hpp>
+#include <kvcompress/scorer/last_query_attention.hpp>
 #include <kvcompress/scorer/scorers.hpp>
 #include <kvcompress/selector/top_k.hpp>
 
@@ -45,10 +48,11 @@ template <class Scorer, class T>
 Eigen::MatrixXd library_scores(const LayerView<T>& layer) {
   using Real = compute_t<T>;
   Eigen::MatrixXd out(layer.kv_heads(), layer.tokens());
+  const AttentionArguments attention;
   for (Index g = 0; g < layer.kv_heads(); ++g) {
     const Vector<Real> mass = library_mass(layer, g);
     Vector<Real> s;
-    Scorer{}.score(layer, g, mass, s);
+    Scorer{}.score(ScoreContext<T>(layer, g, attention, mass), s);
     REQUIRE(s.size() == layer.tokens());
     out.row(g) = s.template cast<double>().transpose();
   }
@@ -64,6 +68,8 @@ Eigen::MatrixXd reference_scores(const char* which, const ref::Tensor3& K, const
   if (w == "AttentionMass") return ref::attention_mass(a);
   if (w == "ValueWeighted") return ref::value_weighted(a, V);
   if (w == "KeyNorm") return ref::key_norm(K);
+  if (w == "LastQueryAttention") return ref::last_query_attention(probs, K.H);
+  if (w == "KeyDiversity") return ref::key_diversity(K);
   return ref::position(K.H, K.n);
 }
 
@@ -101,29 +107,30 @@ void check_scorer(const char* name, const kvc::test::Tol& tol) {
 }  // namespace
 
 TEST_CASE("AttentionMass scores are the window mass", "[scorer]") {
-  STATIC_REQUIRE(AttentionMass::needs_mass);
+  STATIC_REQUIRE(policy_traits<AttentionMass>::needs_mass);
   check_scorer<AttentionMass>("AttentionMass", kTol.float_vs_double.mass);
 }
 
 TEST_CASE("ValueWeighted scores are mass times value norm (SelKV Eq. 1)", "[scorer]") {
-  STATIC_REQUIRE(ValueWeighted::needs_mass);
+  STATIC_REQUIRE(policy_traits<ValueWeighted>::needs_mass);
   check_scorer<ValueWeighted>("ValueWeighted", kTol.float_vs_double.mass);
 }
 
 TEST_CASE("KeyNorm scores are minus the key norm", "[scorer]") {
-  STATIC_REQUIRE_FALSE(KeyNorm::needs_mass);
+  STATIC_REQUIRE_FALSE(policy_traits<KeyNorm>::needs_mass);
   check_scorer<KeyNorm>("KeyNorm", kTol.float_vs_double.values);
 }
 
 TEST_CASE("Position scores are the positions, exactly", "[scorer]") {
-  STATIC_REQUIRE_FALSE(Position::needs_mass);
+  STATIC_REQUIRE_FALSE(policy_traits<Position>::needs_mass);
   check_scorer<Position>("Position", kTol.float_vs_double.values);
   // Exact integers, whatever the mass says.
   auto rng = kvc::test::make_rng(302);
   Problem pr(rng, 2, 1, 40, 8, 4);
   kvc::test::LayerBuffers<float> b(pr.K, pr.V, pr.Q, Layout::head_major);
   Vector<float> garbage = Vector<float>::Constant(40, 123.f), s;
-  Position{}.score(b.view(), 1, garbage, s);
+  const AttentionArguments attention;
+  Position{}.score(ScoreContext<float>(b.view(), 1, attention, garbage), s);
   REQUIRE(s.size() == 40);
   for (Index j = 0; j < 40; ++j) CHECK(s[j] == float(j));
 }
@@ -135,19 +142,28 @@ TEST_CASE("scorers without mass ignore it; scorers with mass use it", "[scorer]"
   kvc::test::LayerBuffers<double> b(pr.K, pr.V, pr.Q, Layout::token_major);
   const auto layer = b.view();
   const Vector<double> zeros = Vector<double>::Zero(24), ones = Vector<double>::Ones(24);
+  const AttentionArguments attention;
+  const auto ctx = [&](Index g, const Vector<double>& mass) { return ScoreContext<double>(layer, g, attention, mass); };
   Vector<double> s0, s1;
-  KeyNorm{}.score(layer, 1, zeros, s0);
-  KeyNorm{}.score(layer, 1, ones, s1);
+  KeyNorm{}.score(ctx(1, zeros), s0);
+  KeyNorm{}.score(ctx(1, ones), s1);
   CHECK((s0.array() == s1.array()).all());
   CHECK((s0.array() <= 0.0).all());
   // ValueWeighted with a = 1 is exactly the value norm.
-  ValueWeighted{}.score(layer, 0, ones, s1);
+  ValueWeighted{}.score(ctx(0, ones), s1);
   for (long j = 0; j < 24; ++j) CHECK(s1[j] == Approx(ref::norm2(pr.V.vec(0, j), 8)).epsilon(kTol.float_vs_double.values.rel));
   CHECK(s1[12] == 0.0);  // the zero value vector
-  ValueWeighted{}.score(layer, 0, zeros, s0);
+  ValueWeighted{}.score(ctx(0, zeros), s0);
   CHECK(s0.isZero(0.0));
-  AttentionMass{}.score(layer, 0, ones, s0);
+  AttentionMass{}.score(ctx(0, ones), s0);
   CHECK((s0.array() == ones.array()).all());
+  for (auto* scorer_output : {&s0, &s1}) scorer_output->setConstant(5.0);
+  LastQueryAttention{}.score(ctx(1, zeros), s0);
+  LastQueryAttention{}.score(ctx(1, ones), s1);
+  CHECK((s0.array() == s1.array()).all());
+  KeyDiversity{}.score(ctx(1, zeros), s0);
+  KeyDiversity{}.score(ctx(1, ones), s1);
+  CHECK((s0.array() == s1.array()).all());
 }
 
 namespace {
@@ -184,4 +200,110 @@ TEST_CASE("each scorer drives the pipeline's selection like the reference", "[sc
   check_pipeline_selection<ValueWeighted>("ValueWeighted");
   check_pipeline_selection<KeyNorm>("KeyNorm");
   check_pipeline_selection<Position>("Position");
+  check_pipeline_selection<LastQueryAttention>("LastQueryAttention");
+  check_pipeline_selection<KeyDiversity>("KeyDiversity");
+}
+
+TEST_CASE("LastQueryAttention (TOVA) scores are the group mean of the last window row's probabilities", "[scorer]") {
+  STATIC_REQUIRE_FALSE(policy_traits<LastQueryAttention>::needs_mass);  // one row per query head, not the window
+  check_scorer<LastQueryAttention>("LastQueryAttention", kTol.float_vs_double.mass);
+}
+
+TEST_CASE("KeyDiversity (KeyDiff) scores are minus the cosine to the mean unit key", "[scorer]") {
+  STATIC_REQUIRE_FALSE(policy_traits<KeyDiversity>::needs_mass);
+  STATIC_REQUIRE(policy_traits<KeyDiversity>::covers_keys);
+  check_scorer<KeyDiversity>("KeyDiversity", kTol.float_vs_double.values);
+}
+
+TEST_CASE("KeyDiversity: scale invariance, finite scores for huge keys, NaN for a non-finite key", "[scorer]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(305);
+  Problem pr(rng, 2, 1, 33, 8, 4);
+  const Eigen::MatrixXd want = ref::key_diversity(pr.K);
+  // Every key scaled by 1e30 (its squares overflow float): the cosines are unchanged.
+  ref::Tensor3 big = pr.K;
+  for (long g = 0; g < big.H; ++g)
+    for (long j = 0; j < big.n; ++j)
+      for (long k = 0; k < big.d; ++k) big.at(g, j, k) *= 1e30;
+  kvc::test::LayerBuffers<float> b(big, pr.V, pr.Q, Layout::head_major);
+  const Eigen::MatrixXd got = library_scores<KeyDiversity>(b.view());
+  REQUIRE(got.allFinite());
+  CHECK(kvc::test::normwise_error(got, want) <= kTol.float_vs_double.values.norm);
+  // A NaN key: the pipeline reports it (the scorer covers the key scan) instead of selecting by NaN.
+  kvc::test::LayerBuffers<float> bad(pr.K, pr.V, pr.Q, Layout::head_major);
+  bad.keys.data[5] = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_AS(KeyDiff{}.run(bad.view(), Budget::tokens(8)), kvc::error);
+}
+
+TEST_CASE("ScoreContext: window rows, queries, arguments and positions", "[scorer]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(306);
+  for (double softcap : {0.0, 3.0}) {
+    INFO("softcap " << softcap);
+    Problem pr(rng, 2, 3, 41, 9, 6);
+    const double scale = 0.4;
+    const auto probs = ref::window_probs(pr.Q, pr.K, scale, softcap);  // Hq matrices (W, n)
+    AttentionArguments attention;
+    attention.scale = scale;
+    attention.softcap = softcap;
+    RopeArguments rope;
+    rope.theta = 500000.0;
+    kvc::test::LayerBuffers<float> f(pr.K, pr.V, pr.Q, Layout::token_major);
+    kvc::test::LayerBuffers<double> dd(pr.K, pr.V, pr.Q, Layout::head_major);
+    const Vector<float> mf = Vector<float>::Zero(pr.n);
+    const Vector<double> md = Vector<double>::Zero(pr.n);
+    const LayerView<float> lf = f.view();  // the contexts hold references to the views
+    const LayerView<double> ld = dd.view();
+    for (Index g = 0; g < pr.Hkv; ++g) {
+      const ScoreContext<float> cf(lf, g, attention, mf, &rope);
+      const ScoreContext<double> cd(ld, g, attention, md);
+      CHECK(cf.rope().theta == 500000.0);
+      CHECK(cd.rope().theta == RopeArguments{}.theta);  // none given: the defaults
+      CHECK(cf.position(17) == 17);
+      for (Index h = 0; h < pr.G; ++h)
+        for (Index i = 0; i < pr.W; ++i) {
+          INFO("g " << g << " h " << h << " i " << i);
+          CHECK(cf.query(h, i) == lf.queries.row(g * pr.G + h, i));
+          Vector<float> pf;
+          Vector<double> pd;
+          cf.row_probabilities(h * pr.W + i, pf);
+          cd.row_probabilities(h * pr.W + i, pd);
+          const Eigen::MatrixXd want = probs[static_cast<std::size_t>(g * pr.G + h)].row(i);
+          CHECK(kvc::test::elementwise_ratio(Eigen::MatrixXd(pf.cast<double>().transpose()), want,
+                                             kTol.float_vs_double.mass) <= 1.0);
+          CHECK(kvc::test::normwise_error(Eigen::MatrixXd(pd.transpose()), want) <= 1e-14);
+          // Causal: exactly 0 beyond position n − W + i.
+          CHECK(pf.tail(pr.W - 1 - i).isZero(0.0f));
+        }
+      // The full matrix on request, rows as in row_probabilities.
+      Vector<double> row;
+      cd.row_probabilities(pr.W + 2, row);
+      CHECK((cd.probabilities().row(pr.W + 2).transpose() - row).cwiseAbs().maxCoeff() <= 1e-15);
+    }
+  }
+  // A logit that overflows float is an error naming the head, not NaN scores.
+  Problem pr(rng, 1, 2, 20, 4, 3);
+  for (long k = 0; k < pr.d; ++k) pr.K.at(0, 7, k) = 1e30;
+  for (long k = 0; k < pr.d; ++k) pr.Q.at(1, 2, k) = 1e30;
+  kvc::test::LayerBuffers<float> f(pr.K, pr.V, pr.Q, Layout::head_major);
+  CHECK_THROWS_WITH(TOVA{}.run(f.view(), Budget::tokens(5)), Catch::Contains("KV head 0") && Catch::Contains("overflows"));
+}
+
+TEST_CASE("TOVA and KeyDiff presets select like the reference", "[scorer][pipeline]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(307);
+  Problem pr(rng, 2, 2, 70, 8, 10);
+  kvc::test::LayerBuffers<double> b(pr.K, pr.V, pr.Q, Layout::head_major);
+  for (long m : {1L, 9L, 35L, 70L}) {
+    INFO("budget " << m);
+    const auto tova = TOVA{}.run(b.view(), Budget::tokens(m));
+    const auto want_tova = ref::select(reference_scores("LastQueryAttention", pr.K, pr.V, pr.Q), {m, m}, 0, 1, 0, false, false);
+    const auto keydiff = KeyDiff{}.run(b.view(), Budget::tokens(m));
+    const auto want_keydiff = ref::select(reference_scores("KeyDiversity", pr.K, pr.V, pr.Q), {m, m}, 0, 0, 0, false, false);
+    for (long g = 0; g < pr.Hkv; ++g) {
+      CHECK(kvc::test::to_long(tova.heads[g].positions) == want_tova[g]);
+      CHECK(tova.heads[g].positions.back() == pr.n - 1);  // the last token is always kept
+      CHECK(kvc::test::to_long(keydiff.heads[g].positions) == want_keydiff[g]);
+    }
+  }
 }

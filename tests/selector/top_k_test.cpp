@@ -98,7 +98,7 @@ void check_selection(const Eigen::MatrixXd& scores, const std::vector<long>& bud
   make_selector(c).select(to_lib_scores<Real>(scores), std::vector<Index>(lib_budgets.size(), 1), par);
   for (Index threads : {2, 3}) {
     INFO("threads " << threads);
-    make_selector(c).select(to_lib_scores<Real>(scores), lib_budgets, par, kvc::SelectorThreads{threads});
+    make_selector(c).select(to_lib_scores<Real>(scores), lib_budgets, par, threads);
     CHECK(par.shared == sel.shared);
     CHECK(par.kept == sel.kept);
     CHECK(par.evicted == sel.evicted);

@@ -196,6 +196,36 @@ inline Eigen::MatrixXd key_norm(const Tensor3& K) {
   return c;
 }
 
+/// TOVA: c_g[j] = (1/G)·Σ_{h: h/G = g} A_h[W−1][j], the attention of the last window query (position
+/// n − 1, which sees every key), averaged over the group's query heads. probs: Hq matrices (W,n).
+inline Eigen::MatrixXd last_query_attention(const std::vector<Eigen::MatrixXd>& probs, long Hkv) {
+  const long Hq = static_cast<long>(probs.size());
+  require(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "Hq must be a positive multiple of Hkv");
+  const long G = Hq / Hkv, n = probs[0].cols();
+  Eigen::MatrixXd c = Eigen::MatrixXd::Zero(Hkv, n);  // (Hkv,n)
+  for (long h = 0; h < Hq; ++h) {
+    const Eigen::MatrixXd& A = probs[static_cast<std::size_t>(h)];
+    for (long j = 0; j < n; ++j) c(h / G, j) += A(A.rows() - 1, j);
+  }
+  return c / static_cast<double>(G);
+}
+
+/// KeyDiff: c_g[j] = −cos(k_{g,j}, ā_g), ā_g = (1/n)·Σ_j k_{g,j}/‖k_{g,j}‖ (a zero key contributes 0;
+/// a cosine with a zero vector is 0).
+inline Eigen::MatrixXd key_diversity(const Tensor3& K) {
+  Eigen::MatrixXd c(K.H, K.n);  // (Hkv,n)
+  for (long g = 0; g < K.H; ++g) {
+    std::vector<double> anchor(static_cast<std::size_t>(K.d), 0.0);
+    for (long j = 0; j < K.n; ++j) {
+      const double norm = norm2(K.vec(g, j), K.d);
+      if (norm > 0.0)
+        for (long k = 0; k < K.d; ++k) anchor[static_cast<std::size_t>(k)] += K.vec(g, j)[k] / norm / double(K.n);
+    }
+    for (long j = 0; j < K.n; ++j) c(g, j) = -cosine(K.vec(g, j), anchor.data(), K.d);
+  }
+  return c;
+}
+
 /// Position (StreamingLLM): c_g[j] = j, so the top-by-score candidates are the most recent tokens.
 inline Eigen::MatrixXd position(long Hkv, long n) {
   Eigen::MatrixXd c(Hkv, n);  // (Hkv,n)
@@ -340,6 +370,45 @@ inline std::vector<std::vector<long>> select(const Eigen::MatrixXd& scores, std:
   std::sort(out.begin(), out.end());
   for (auto& v : kept) v = out;
   return kept;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// §5 Budget allocation
+// ----------------------------------------------------------------------------------------------------
+
+/// AdaKV (kvpress AdaKVPress): B = Σ_g m_g entries in all; head g keeps its top f_g = max(1, ⌊α·m_g⌋)
+/// scores; the other B − Σ f_g are the top of all remaining (head, position) entries by score.
+/// Order everywhere: higher score, then lower head, then lower position. Returns m_g per head.
+///   scores: (Hkv, n); m: Hkv budgets in [1, n].
+inline std::vector<long> adakv_budgets(const Eigen::MatrixXd& scores, const std::vector<long>& m, double alpha) {
+  const long H = scores.rows(), n = scores.cols();
+  require(static_cast<long>(m.size()) == H, "one budget per head");
+  struct E {
+    double s;
+    long g, j;
+  };
+  const auto before = [](const E& a, const E& b) {
+    if (a.s != b.s) return a.s > b.s;
+    return a.g != b.g ? a.g < b.g : a.j < b.j;
+  };
+  std::vector<long> out(static_cast<std::size_t>(H), 0);
+  std::vector<E> rest;
+  long total = 0, floors = 0;
+  for (long g = 0; g < H; ++g) {
+    const long mg = m[static_cast<std::size_t>(g)];
+    require(mg >= 1 && mg <= n, "budgets must be in [1, n]");
+    const long f = std::min(mg, std::max(1L, static_cast<long>(std::floor(alpha * double(mg)))));
+    std::vector<E> head;
+    for (long j = 0; j < n; ++j) head.push_back({scores(g, j), g, j});
+    std::sort(head.begin(), head.end(), before);
+    rest.insert(rest.end(), head.begin() + f, head.end());
+    out[static_cast<std::size_t>(g)] = f;
+    total += mg;
+    floors += f;
+  }
+  std::sort(rest.begin(), rest.end(), before);
+  for (long e = 0; e < total - floors && e < static_cast<long>(rest.size()); ++e) ++out[static_cast<std::size_t>(rest[static_cast<std::size_t>(e)].g)];
+  return out;
 }
 
 // ----------------------------------------------------------------------------------------------------

@@ -34,18 +34,20 @@ struct BiasView {
 namespace detail {
 
 /// The plain loops (double reference runs): per query head, logits, softmax, weighted sum of values.
+/// `lengths` (one per KV head, or null for keys.tokens each): the entries head g attends to.
 template <class T>
 void decode_attention_reference(const RowMatrix<compute_t<T>>& queries, const TensorView<const T>& keys,
                                 const TensorView<const T>& values, const BiasView<compute_t<T>>& bias,
-                                const AttentionArguments& args, RowMatrix<compute_t<T>>& out) {
+                                const AttentionArguments& args, RowMatrix<compute_t<T>>& out,
+                                const Index* lengths = nullptr) {
   using Real = compute_t<T>;
-  const Index Hq = queries.rows(), G = Hq / keys.heads, t = keys.tokens, d = keys.dim;
+  const Index Hq = queries.rows(), G = Hq / keys.heads, d = keys.dim;
   const Real scale = static_cast<Real>(args.resolved_scale(d));
   const Real cap = static_cast<Real>(args.softcap);
   out.setZero(Hq, d);
-  std::vector<Real> logit(static_cast<std::size_t>(t));
+  std::vector<Real> logit(static_cast<std::size_t>(keys.tokens));
   for (Index h = 0; h < Hq; ++h) {
-    const Index g = h / G;
+    const Index g = h / G, t = lengths ? lengths[g] : keys.tokens;
     Real mx = -std::numeric_limits<Real>::infinity();
     for (Index i = 0; i < t; ++i) {
       const T* k = keys.row(g, i);
@@ -187,14 +189,15 @@ float decode_tile_softmax(float* x, Index len, float scale, float cap, const flo
 template <class Arch, class T>
 void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<const T>& keys,
                               const TensorView<const T>& values, const BiasView<float>& bias,
-                              const AttentionArguments& args, RowMatrix<float>& out) {
-  const Index Hq = queries.rows(), G = Hq / keys.heads, t = keys.tokens, d = keys.dim;
+                              const AttentionArguments& args, RowMatrix<float>& out, const Index* lengths = nullptr) {
+  const Index Hq = queries.rows(), G = Hq / keys.heads, d = keys.dim;
   const float scale = static_cast<float>(args.resolved_scale(d));
   const float cap = static_cast<float>(args.softcap);
   out.setZero(Hq, d);
   std::vector<float> e(static_cast<std::size_t>(G * kDecodeTile));  // (G, kDecodeTile) weights of one tile
   std::vector<float> m(static_cast<std::size_t>(G)), l(static_cast<std::size_t>(G));
   for (Index g = 0; g < keys.heads; ++g) {
+    const Index t = lengths ? lengths[g] : keys.tokens;  // entries of head g
     const float* q = queries.row(g * G).data();  // (G, d), row stride d
     float* o = out.row(g * G).data();            // (G, d)
     std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -234,17 +237,13 @@ void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<
 
 }  // namespace detail
 
-/// out (Hq, d) <- Σ_i softmax_i(softcap(scale·<q_h, k_{g,i}>) + bias_{g,i}) v_{g,i},  g = h / G.
-/// queries (Hq, d); keys, values [Hkv][t][d] (t = compressed entries + appended tokens).
-/// Throws kvc::error on inconsistent shapes. O(Hq·t·d) time; extra memory O(G·min(t, kDecodeTile)) in
-/// float (detail::decode_attention_blocked), O(t) in double (the reference loops).
+namespace detail {
 template <class T>
-void decode_attention(const RowMatrix<compute_t<T>>& queries, const TensorView<const T>& keys,
-                      const TensorView<const T>& values, const BiasView<compute_t<T>>& bias,
-                      const AttentionArguments& args, RowMatrix<compute_t<T>>& out) {
-  using detail::concat;
-  detail::check_view(keys, "keys").throw_if_error();
-  detail::check_view(values, "values").throw_if_error();
+void check_decode_shapes(const RowMatrix<compute_t<T>>& queries, const TensorView<const T>& keys,
+                         const TensorView<const T>& values, const BiasView<compute_t<T>>& bias,
+                         const AttentionArguments& args) {
+  check_view(keys, "keys").throw_if_error();
+  check_view(values, "values").throw_if_error();
   args.validate().throw_if_error();
   if (values.heads != keys.heads || values.tokens != keys.tokens || values.dim != keys.dim)
     throw error("decode_attention: values shape differs from keys");
@@ -255,10 +254,44 @@ void decode_attention(const RowMatrix<compute_t<T>>& queries, const TensorView<c
                        keys.heads, ")"));
   if (bias.data && bias.heads != keys.heads)
     throw error(concat("decode_attention: bias.heads = ", bias.heads, ", expected ", keys.heads));
+}
+}  // namespace detail
+
+/// out (Hq, d) <- Σ_i softmax_i(softcap(scale·<q_h, k_{g,i}>) + bias_{g,i}) v_{g,i},  g = h / G.
+/// queries (Hq, d); keys, values [Hkv][t][d] (t = compressed entries + appended tokens).
+/// Throws kvc::error on inconsistent shapes. O(Hq·t·d) time; extra memory O(G·min(t, kDecodeTile)) in
+/// float (detail::decode_attention_blocked), O(t) in double (the reference loops).
+template <class T>
+void decode_attention(const RowMatrix<compute_t<T>>& queries, const TensorView<const T>& keys,
+                      const TensorView<const T>& values, const BiasView<compute_t<T>>& bias,
+                      const AttentionArguments& args, RowMatrix<compute_t<T>>& out) {
+  detail::check_decode_shapes(queries, keys, values, bias, args);
   if constexpr (std::is_same_v<compute_t<T>, float>)
     detail::decode_attention_blocked<simd::default_arch>(queries, keys, values, bias, args, out);
   else
     detail::decode_attention_reference(queries, keys, values, bias, args, out);
+}
+
+/// As above over a ragged cache (per-head budgets): KV head g attends to its first lengths[g] entries
+/// (rows 0 .. lengths[g] − 1 of keys, values and bias; rows beyond are not read). lengths: one per KV
+/// head, each in [1, t]; otherwise kvc::error, and nothing is written. O(Hq·Σ_g lengths[g]·d / Hkv).
+template <class T>
+void decode_attention(const RowMatrix<compute_t<T>>& queries, const TensorView<const T>& keys,
+                      const TensorView<const T>& values, const BiasView<compute_t<T>>& bias,
+                      const AttentionArguments& args, const std::vector<Index>& lengths,
+                      RowMatrix<compute_t<T>>& out) {
+  using detail::concat;
+  detail::check_decode_shapes(queries, keys, values, bias, args);
+  if (static_cast<Index>(lengths.size()) != keys.heads)
+    throw error(concat("decode_attention: lengths has ", lengths.size(), " entries, expected one per KV head (",
+                       keys.heads, ")"));
+  for (std::size_t g = 0; g < lengths.size(); ++g)
+    if (lengths[g] < 1 || lengths[g] > keys.tokens)
+      throw error(concat("decode_attention: lengths[", g, "] = ", lengths[g], " outside [1, ", keys.tokens, "]"));
+  if constexpr (std::is_same_v<compute_t<T>, float>)
+    detail::decode_attention_blocked<simd::default_arch>(queries, keys, values, bias, args, out, lengths.data());
+  else
+    detail::decode_attention_reference(queries, keys, values, bias, args, out, lengths.data());
 }
 
 }  // namespace kvc

@@ -10,6 +10,7 @@
 #include "kvcompress/simd/window_gemm.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <vector>
@@ -255,6 +256,37 @@ void window_probabilities(const LayerView<T>& layer, Index g, const AttentionArg
   }
 }
 
+/// p (n) <- the causal probabilities of window row r = local_head·W + i of KV head g's query group
+/// (SPEC §2): softmax_j(softcap(scale·<q, k_j>)) over j <= n − W + i, exactly 0 beyond. One pass of
+/// dots over the visible keys (O(n·d)), no other memory. Returns false when a logit is NaN or ±Inf
+/// (p is then meaningless).
+template <class Real, class T>
+bool window_row_probabilities(const LayerView<T>& layer, Index g, Index r, const AttentionArguments& args,
+                              Vector<Real>& p) {
+  const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
+  KVC_ASSERT(r >= 0 && r < G * W);
+  const Index i = r % W, visible = n - W + i + 1;
+  const T* q = layer.queries.row(g * G + r / W, layer.queries.tokens - W + i);
+  const Real scale = static_cast<Real>(args.resolved_scale(d));
+  const Real cap = static_cast<Real>(args.softcap);
+  p.setZero(n);
+  Real mx = -std::numeric_limits<Real>::infinity();
+  for (Index j = 0; j < visible; ++j) {
+    const T* k = layer.keys.row(g, j);
+    Real s = 0;
+    for (Index c = 0; c < d; ++c) s += to_real<Real>(q[c]) * to_real<Real>(k[c]);
+    s *= scale;
+    if (cap > 0) s = cap * std::tanh(s / cap);
+    if (!std::isfinite(s)) return false;
+    p[j] = s;
+    mx = std::max(mx, s);
+  }
+  Real sum = 0;
+  for (Index j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - mx));
+  p.head(visible) *= Real(1) / sum;
+  return true;
+}
+
 /// Attention mass of KV head g: a_g[j] = (1/G) Σ_{h in g} Σ_i A_h[i][j] (SPEC §2), from probabilities.
 /// Rows are summed in order (deterministic). O(G·W·n).
 template <class Real>
@@ -385,6 +417,72 @@ void probabilities_times_values(const LayerView<T>& layer, Index g, const RowMat
   }
 }
 }  // namespace detail
+
+/// Window outputs Y = A·V_g (G·W, d) of KV head g straight from the layer. For float arithmetic one
+/// fused pass per key tile (flash-attention style): logits (G·W, tile) by one product, the online causal
+/// softmax epilogue (simd::softmax_tile), the tile's contribution exps·V_tile, the running outputs
+/// rescaled when a row's maximum grows; the (G·W, n) probabilities are never stored. Equals
+/// window_probabilities(...)·V up to rounding. Cost: two (G·W × d × n) products + G·W·n exponentials;
+/// memory O(G·W·(tile + d)).
+template <class Real, class T>
+void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments& args, RowMatrix<Real>& Y) {
+  const Index n = layer.tokens(), d = layer.head_dim(), W = layer.window(), G = layer.group_size();
+  const Index R = G * W;
+  if constexpr (std::is_same_v<Real, float>) {
+    using Arch = simd::default_arch;
+    constexpr Index tile = detail::kSoftmaxTile;
+    const float scale = static_cast<float>(args.resolved_scale(d));
+    const float cap = static_cast<float>(args.softcap);
+    const RowMatrix<float> q = gather_group_queries<float>(layer, g);  // (R, d)
+    RowMatrix<float> exps(R, tile), part(R, d), ktile, vtile;           // (R, tile), (R, d)
+    if constexpr (!std::is_same_v<T, float>) {
+      ktile.resize(std::min(tile, n), d);
+      vtile.resize(std::min(tile, n), d);
+    }
+    Vector<float> row_max = Vector<float>::Constant(R, -std::numeric_limits<float>::infinity());
+    Vector<float> row_sum = Vector<float>::Zero(R), shift(R);
+    Vector<float> applied = row_max;  // (R) the maximum Y's rows are currently relative to
+    std::vector<Index> live(static_cast<std::size_t>(R));
+    Y.setZero(R, d);
+    for (Index j0 = 0; j0 < n; j0 += tile) {
+      const Index cnt = std::min(tile, n - j0);
+      auto block = exps.leftCols(cnt);
+      if constexpr (std::is_same_v<T, float>) {
+        block.noalias() = scale * (q * detail::map_rows<float>(layer.keys, g, j0, cnt).transpose());
+      } else {
+        auto keys = ktile.topRows(cnt);
+        detail::gather_rows<float>(layer.keys, g, j0, cnt, keys);
+        block.noalias() = scale * (q * keys.transpose());
+      }
+      for (Index r = 0; r < R; ++r) live[static_cast<std::size_t>(r)] = n - W + r % W + 1 - j0;
+      simd::softmax_tile<Arch>(exps.data(), tile, R, cnt, live.data(), cap, row_max.data(), row_sum.data(),
+                               shift.data());
+      if constexpr (std::is_same_v<T, float>) {
+        part.noalias() = block * detail::map_rows<float>(layer.values, g, j0, cnt);
+      } else {
+        auto values = vtile.topRows(cnt);
+        detail::gather_rows<float>(layer.values, g, j0, cnt, values);
+        part.noalias() = block * values;
+      }
+      for (Index r = 0; r < R; ++r) {
+        if (shift[r] != applied[r]) {  // the row's maximum grew: rescale what was accumulated
+          if (applied[r] != -std::numeric_limits<float>::infinity())
+            Y.row(r) *= std::exp(applied[r] - shift[r]);
+          applied[r] = shift[r];
+        }
+        Y.row(r) += part.row(r);
+      }
+    }
+    for (Index r = 0; r < R; ++r)
+      if (row_sum[r] > 0.0f) Y.row(r) *= 1.0f / row_sum[r];
+  } else {  // the reference path: probabilities, then one product
+    RowMatrix<Real> A;  // (R, n)
+    window_probabilities<Real>(layer, g, args, A);
+    KVC_ASSERT(A.rows() == R);
+    (void)R;
+    detail::probabilities_times_values(layer, g, A, Y);
+  }
+}
 
 /// Window outputs Y = A·V_g (G·W, d) of KV head g from what window_mass(layer, g, args, mass, ws) left
 /// in `ws` (call it right after, with the same layer, head and workspace): the exponentials of every

@@ -11,8 +11,10 @@ namespace kvc {
 /// No compensation: bias 0. The no-op compensator.
 struct NoCompensation {
   struct Arguments {};
-  static constexpr bool needs_mass = false;
-  static constexpr bool reads_kept_keys = false;  // no rows at all
+  struct traits : PolicyTraits {
+    static constexpr bool reads_kept_keys = false;  // no rows at all
+    static constexpr bool reads_kept_values = false;
+  };
   Arguments args;
   Status validate() const { return Status::ok(); }
   template <class T>
@@ -29,8 +31,11 @@ struct AttentionRatio {
     double alpha = 0.5;
     double r_max = 0.0;  ///< cap on R; 0 = off (the default: R is heavy-tailed in practice)
   };
-  static constexpr bool needs_mass = true;
-  static constexpr bool reads_kept_keys = false;  // no rows at all
+  struct traits : PolicyTraits {
+    static constexpr bool needs_mass = true;
+    static constexpr bool reads_kept_keys = false;  // no rows at all
+    static constexpr bool reads_kept_values = false;
+  };
   Arguments args;
 
   /// log R <= log(1 + 1e12·n) < 70 for any n a view can hold (R <= (τ + W)/τ, τ >= 1e-12·W/n), so
@@ -77,8 +82,10 @@ struct AttentionRatio {
 /// KeepKV-style merge count: bias_i = log(1 + M_i), M_i = Σ_{j→i} g_j.
 struct MergeCount {
   struct Arguments {};
-  static constexpr bool needs_mass = false;
-  static constexpr bool reads_kept_keys = false;  // no rows at all
+  struct traits : PolicyTraits {
+    static constexpr bool reads_kept_keys = false;  // no rows at all
+    static constexpr bool reads_kept_values = false;
+  };
   Arguments args;
   Status validate() const { return Status::ok(); }
 

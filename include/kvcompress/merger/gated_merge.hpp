@@ -101,7 +101,7 @@ struct CosineGate {};  // g = max(cos(v_j, v_π(j)), 0)
 /// Weighted merge of routed evicted tokens into kept values (SelKV Eq. 4–5):
 ///   ṽ_i = (max(a_i,τ)·v_i + Σ_{π(j)=i} g_j·a_j·v_j) / (max(a_i,τ) + Σ_{π(j)=i} g_j·a_j)
 /// Keys are unchanged. Rows that receive nothing are bit-identical copies of the kept values.
-/// fills_values: out.values may hold anything on entry (it is resized to (m, d) when its shape
+/// traits::fills_values: out.values may hold anything on entry (it is resized to (m, d) when its shape
 /// differs); every row is written from the cache.
 /// One sweep over the evicted tokens (ascending j) in blocks of four: the block's gates first (they
 /// read only the cache: g is computed against the target's original value, whose Σ v_i² is computed
@@ -118,10 +118,12 @@ struct CosineGate {};  // g = max(cos(v_j, v_π(j)), 0)
 template <class Gate>
 struct GatedMerge {
   struct Arguments {};
-  static constexpr bool needs_mass = true;
-  static constexpr bool needs_routing = true;
-  static constexpr bool fills_values = true;
-  static constexpr bool reads_kept_keys = false;
+  struct traits : PolicyTraits {
+    static constexpr bool needs_mass = true;
+    static constexpr bool needs_routing = true;
+    static constexpr bool fills_values = true;
+    static constexpr bool reads_kept_keys = false;
+  };
   Arguments args;
 
   /// How far (in positions) value rows are requested ahead of the sweep.
@@ -233,9 +235,11 @@ using SoftGate = GatedMerge<detail::CosineGate>;
 /// Pure eviction: evicted tokens vanish (gate 0). The no-op merger.
 struct Drop {
   struct Arguments {};
-  static constexpr bool needs_mass = false;
-  static constexpr bool needs_routing = false;
-  static constexpr bool reads_kept_keys = false;
+  struct traits : PolicyTraits {
+    static constexpr bool keeps_values = true;
+    static constexpr bool reads_kept_keys = false;
+    static constexpr bool reads_kept_values = false;
+  };
   Arguments args;
   Status validate(Index, Index) const { return Status::ok(); }
   template <class T>

@@ -39,7 +39,9 @@ struct RidgeMerge {
   /// Reads HeadContext::window_outputs() (Y = A·V): a pipeline that still holds the scorer's window
   /// exponentials of the head can form Y with one product and hand it to the context, which saves
   /// the merger a second window attention pass.
-  static constexpr bool needs_window_outputs = true;
+  struct traits : PolicyTraits {
+    static constexpr bool needs_window_outputs = true;
+  };
 
   struct Arguments {
     double lambda_v = 1e-2;  ///< ridge weight of the value step (> 0)

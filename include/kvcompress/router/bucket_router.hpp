@@ -97,8 +97,10 @@ struct BucketRouter {
     Index bucket = DefaultBucket;  ///< B; 0 = Global
     RouteStatistic statistic = DefaultStatistic;
   };
-  static constexpr bool needs_mass = true;  // window_mass reads a; harmless otherwise
-  static constexpr bool fills_keys = true;  // route(ctx, routing, kept_keys) also writes the kept keys
+  struct traits : PolicyTraits {
+    static constexpr bool needs_mass = true;  // window_mass reads a; harmless otherwise
+    static constexpr bool fills_keys = true;  // route(ctx, routing, kept_keys) also writes the kept keys
+  };
   Arguments args;
 
   /// How far (in positions) key rows are requested ahead of the sweep.
@@ -136,16 +138,15 @@ struct BucketRouter {
   /// The same routing, and kept_keys <- the kept tokens' keys (m, d), converted: each is copied as
   /// the sweep passes its position, while the sweep has it in cache (a candidate's row has just been
   /// read), so the pipeline needs no separate pass over the kept keys. kept_keys is resized to (m, d)
-  /// when its shape differs; its previous contents do not matter. With `stores.streaming`, float keys
+  /// when its shape differs; its previous contents do not matter. With ctx.streaming_stores(), float keys
   /// are written with streaming stores where kept_keys' rows are aligned for them (the pipeline asks
   /// for it when nothing after the router reads the kept keys and the result is too large to stay in
   /// cache): the same values, without reading kept_keys' memory first or keeping it in cache.
   template <class T>
-  void route(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>& kept_keys,
-             KeptKeyStores stores = {}) const {
+  void route(const HeadContext<T>& ctx, Routing& routing, RowMatrix<compute_t<T>>& kept_keys) const {
     const Index m = static_cast<Index>(ctx.kept().size());
     if (kept_keys.rows() != m || kept_keys.cols() != ctx.head_dim()) kept_keys.resize(m, ctx.head_dim());
-    route_impl(ctx, routing, &kept_keys, stores.streaming);
+    route_impl(ctx, routing, &kept_keys, ctx.streaming_stores());
   }
 
  private:

@@ -8,7 +8,6 @@ namespace kvc {
 /// The no-op router: routes nothing (for Drop and for mergers that ignore routing, e.g. RidgeMerge).
 struct NoRoute {
   struct Arguments {};
-  static constexpr bool needs_mass = false;
   Arguments args;
   Status validate() const { return Status::ok(); }
   template <class T>

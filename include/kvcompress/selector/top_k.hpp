@@ -3,6 +3,7 @@
 #pragma once
 #include "kvcompress/core.hpp"
 #include "kvcompress/parallel.hpp"
+#include "kvcompress/traits.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -83,14 +84,6 @@ struct Selection {
   detail::NotCopied<detail::SelectScratch<Real>> scratch;
 };
 
-/// The thread count a selector may take as select()'s fourth argument (TopK does): the pipeline
-/// passes its Arguments::threads in this tag, never as a bare integer, so a custom selector whose
-/// select() has a fourth parameter of another meaning (a seed, a count) is not handed the thread
-/// count by mistake. As for the pipeline, the selection must not depend on it.
-struct SelectorThreads {
-  Index count = 1;
-};
-
 /// 1-D pooling of `x` over [lo, hi) only, in place of `out` (other entries copied from x):
 /// average with zero padding at the region's edges and divisor `kernel` (avg_pool1d default), or
 /// max over the in-region part of the window. O(n·kernel). `out` may be `x` (then x is copied
@@ -147,9 +140,11 @@ struct TopK {
     Granularity granularity = DefaultGranularity;
   };
   Arguments args;
-  /// select() overwrites every field of the Selection it is given and keeps its vectors' capacity, so
-  /// the pipeline hands it the one in its Workspace (a policy that says nothing gets a fresh one).
-  static constexpr bool overwrites_selection = true;
+  struct traits : PolicyTraits {
+    /// select() overwrites every field of the Selection and keeps its vectors' capacity.
+    static constexpr bool overwrites_selection = true;
+    static constexpr bool takes_threads = true;
+  };
 
   Status validate() const {
     using detail::concat;
@@ -172,14 +167,13 @@ struct TopK {
   bool shares_positions() const { return args.granularity == Granularity::shared; }
 
   /// scores: [Hkv](n) raw scores; budgets: [Hkv] entries to keep (already clamped to [1, n]).
-  /// `threads.count` as Pipeline::Arguments::threads (the pipeline passes its own): the per-head part,
+  /// `threads` as Pipeline::Arguments::threads (the pipeline passes its own): the per-head part,
   /// the pooling and each head's top m' (per head) or proposal (shared), runs on parallel_for; the
   /// shared trim after it is serial. The same selection, bit for bit, for any thread count.
   /// Complexity O(Hkv · n log n).
   template <class Real>
   void select(const std::vector<Vector<Real>>& scores, const std::vector<Index>& budgets,
-              Selection<Real>& out, SelectorThreads threads_ = {}) const {
-    const Index threads = threads_.count;
+              Selection<Real>& out, Index threads = 1) const {
     const Index H = static_cast<Index>(scores.size());
     const Index n = H > 0 ? scores[0].size() : 0;
     // Every field is overwritten; a reused `out` keeps its vectors' capacity.
@@ -406,7 +400,9 @@ struct TopK {
 struct KeepAll {
   struct Arguments {};
   Arguments args;
-  static constexpr bool overwrites_selection = true;  // see TopK
+  struct traits : PolicyTraits {
+    static constexpr bool overwrites_selection = true;  // see TopK
+  };
   Status validate() const { return Status::ok(); }
   bool shares_positions() const { return false; }
 

@@ -53,6 +53,8 @@ template <class A, class = void> struct has_compensator_args : std::false_type {
 template <class A> struct has_compensator_args<A, std::void_t<decltype(A{}.compensator.alpha)>> : std::true_type {};
 template <class A, class = void> struct has_ridge_args : std::false_type {};
 template <class A> struct has_ridge_args<A, std::void_t<decltype(A{}.merger.lambda_v)>> : std::true_type {};
+template <class A, class = void> struct has_floor_args : std::false_type {};
+template <class A> struct has_floor_args<A, std::void_t<decltype(A{}.allocator.floor)>> : std::true_type {};
 
 /// A double from a short menu: mostly ordinary values, sometimes edge ones (0, negative, huge, tiny).
 double pick(FuzzedDataProvider& p, std::initializer_list<double> menu) {
@@ -105,6 +107,7 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.merger.cg_max_iterations = pick_index(p, 0, 100, false);
     a.merger.safeguard = p.ConsumeBool();
   }
+  if constexpr (has_floor_args<Args>::value) a.allocator.floor = pick(p, {0.2, 0.0, 1.0, 0.5, -0.1, 1.5});
   if (p.ConsumeBool()) {
     a.reposition.enabled = true;
     a.reposition.layout = static_cast<kvc::RopeLayout>(p.ConsumeIntegralInRange<int>(0, 1));
@@ -260,7 +263,6 @@ void run_preset(const char* name, const kvc::LayerView<T>& layer, const kvc::Bud
   } catch (const kvc::error&) {
     return;
   }
-  for (const auto& h : r.heads) (void)h;
   Index g = 0;
   for (const auto& h : r.heads) {
     if (!all_finite(keys.data() + g * m * d, h.size() * d) || !all_finite(values.data() + g * m * d, h.size() * d))
@@ -299,6 +301,10 @@ void run_all(FuzzedDataProvider& p) {
   run_preset<kvc::SelKV>("SelKV", layer, budget, p);
   run_preset<kvc::SelKVMergeAll>("SelKVMergeAll", layer, budget, p);
   run_preset<kvc::KNorm>("KNorm", layer, budget, p);
+  run_preset<kvc::TOVA>("TOVA", layer, budget, p);
+  run_preset<kvc::KeyDiff>("KeyDiff", layer, budget, p);
+  run_preset<kvc::AdaKVSnapKV>("AdaKVSnapKV", layer, budget, p);
+  run_preset<kvc::AdaKVSelKV>("AdaKVSelKV", layer, budget, p);
   run_preset<kvc::SnapKVGRKV>("SnapKVGRKV", layer, budget, p);
   run_preset<kvc::SelKVEvictGRKV>("SelKVEvictGRKV", layer, budget, p);
   run_preset<kvc::StreamingLLMGRKV>("StreamingLLMGRKV", layer, budget, p);

@@ -1,6 +1,6 @@
 // A method behind a virtual call per element type: the preset the CLI's table (methods.hpp) names, with
-// its options. The presets are compiled once, in runner_float.cpp and runner_half.cpp (target
-// kvc_cli_methods), for the tool, the tests and the Python module.
+// its options. The presets are compiled once per element type: runner_float.cpp (target
+// kvc_cli_methods: the tool, the tests and the Python module) and runner_half.cpp (the module).
 #pragma once
 
 #include "methods.hpp"

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "methods.hpp"
+#include "presets_float.hpp"
 
 #include <memory>
 #include <string>

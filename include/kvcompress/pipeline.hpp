@@ -390,26 +390,10 @@ class Pipeline {
     return true;
   }
 
-  /// The whole data flow (SPEC §2–§11). Each stage below is one function of this class.
+  /// The whole data flow (SPEC §2–§11), defined below the class. Each stage is one function of this class.
   template <class T>
   void run_unchecked(const LayerView<T>& layer, std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
-                     Workspace<compute_t<T>>& ws, bool release_scratch = false) const {
-    using Real = compute_t<T>;
-    // 1. Window attention and scores, per KV head.     ws.mass[g], ws.score[g]: (n)
-    score_heads(layer, ws, release_scratch);
-    // 2. Budget allocation.                            budgets: [Hkv] m_g, Σ m_g kept
-    allocator().allocate(ws.score, budgets);
-    // 3. Selection.                                    kept[g]: (m_g) ascending, evicted[g]: (n − m_g)
-    Selection<Real> fresh;
-    const Selection<Real>& sel = select(ws, budgets, fresh);
-    // 4. Per KV head: route, merge, compensate.        keys, values: (m_g, d), bias: (m_g)
-    compress_heads(layer, sel, ws, result);
-    // 5. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
-    if (sel.shared) share_bias(result, ws.shared_bias);
-    // 6. Optional RoPE repositioning to positions 0..m−1 (SPEC §10).
-    result.next_position = layer.tokens();
-    if (args_.reposition.enabled) reposition(layer, result);
-  }
+                     Workspace<compute_t<T>>& ws, bool release_scratch = false) const;
 
   /// Stage 1: ws.mass[g] <- a_g (when a policy needs it, else 0), ws.score[g] <- the scorer's scores,
   /// and ws.outputs[g] <- Y = A·V for a merger that reads it. Scratch: one (G·W, n) window workspace
@@ -608,4 +592,41 @@ class Pipeline {
   Arguments args_;
 };
 
+// Not inline, so that KVC_EXTERN_PIPELINE can keep a unit from compiling it (see below).
+template <class Scorer, class Selector, class Router, class Merger, class Compensator, class Allocator>
+template <class T>
+void Pipeline<Scorer, Selector, Router, Merger, Compensator, Allocator>::run_unchecked(
+    const LayerView<T>& layer, std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
+    Workspace<compute_t<T>>& ws, bool release_scratch) const {
+  using Real = compute_t<T>;
+  // 1. Window attention and scores, per KV head.     ws.mass[g], ws.score[g]: (n)
+  score_heads(layer, ws, release_scratch);
+  // 2. Budget allocation.                            budgets: [Hkv] m_g, Σ m_g kept
+  allocator().allocate(ws.score, budgets);
+  // 3. Selection.                                    kept[g]: (m_g) ascending, evicted[g]: (n − m_g)
+  Selection<Real> fresh;
+  const Selection<Real>& sel = select(ws, budgets, fresh);
+  // 4. Per KV head: route, merge, compensate.        keys, values: (m_g, d), bias: (m_g)
+  compress_heads(layer, sel, ws, result);
+  // 5. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
+  if (sel.shared) share_bias(result, ws.shared_bias);
+  // 6. Optional RoPE repositioning to positions 0..m−1 (SPEC §10).
+  result.next_position = layer.tokens();
+  if (args_.reposition.enabled) reposition(layer, result);
+}
+
 }  // namespace kvc
+
+/// Compile time. Every unit that runs a preset compiles its whole data flow for the element type it
+/// reads. A project that runs one preset from many units can compile it once: one .cpp says
+///   KVC_INSTANTIATE_PIPELINE(float, kvc::SnapKV)
+/// and a header the other units include (before they run it) says
+///   KVC_EXTERN_PIPELINE(float, kvc::SnapKV)
+/// The arguments: the element type T of the LayerView, then the Pipeline type (an alias or a full
+/// Pipeline<...>). Results are the same either way.
+#define KVC_PIPELINE_INSTANTIATION_(prefix, T, ...)                                                           \
+  prefix template void __VA_ARGS__::run_unchecked<T>(                                                         \
+      const ::kvc::LayerView<T>&, std::vector<::kvc::Index>&, ::kvc::LayerResult<::kvc::compute_t<T>>&,       \
+      ::kvc::Workspace<::kvc::compute_t<T>>&, bool) const;
+#define KVC_INSTANTIATE_PIPELINE(T, ...) KVC_PIPELINE_INSTANTIATION_(, T, __VA_ARGS__)
+#define KVC_EXTERN_PIPELINE(T, ...) KVC_PIPELINE_INSTANTIATION_(extern, T, __VA_ARGS__)

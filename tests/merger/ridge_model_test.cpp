@@ -8,6 +8,7 @@
 #include "engine/eval.hpp"
 #include "engine/model_path.hpp"
 #include "engine_bridge.hpp"
+#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
 
 #include <iostream>
 

@@ -47,7 +47,7 @@ python: python-deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS) --target kvcompress_python
 
-# The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, -O1, assertions on, built with clang
+# The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, -O0, assertions on, built with clang
 # (installed with its sanitizer runtime when missing) beside the libFuzzer targets; `make fuzz-ci` runs
 # those for 30 s each from the same build. Examples, benchmarks and compile-only checks are built once,
 # by `make test`.
@@ -81,7 +81,7 @@ FUZZ_BUILD   ?= build-fuzz
 FUZZ_SECONDS ?= 300
 
 fuzz-build: sanitize-deps
-	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS=-g -DKVC_SANITIZE=ON -DKVC_BUILD_FUZZ=ON \
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS=-g -DKVC_SANITIZE=ON -DKVC_SANITIZE_OPT=-O1 -DKVC_BUILD_FUZZ=ON \
 	  -DKVC_BUILD_TESTS=OFF -DKVC_BUILD_PYTHON=OFF -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
 	cmake --build $(FUZZ_BUILD) -j $(JOBS)
 

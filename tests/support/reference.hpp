@@ -286,14 +286,19 @@ inline std::vector<double> pool(const std::vector<double>& score_row, long n, lo
 }
 
 /// The k best of `candidates` by `score`: higher score first, ties to the lower position (SPEC §5).
-/// Returned in rank order (not sorted by position).
+/// Returned in ascending position order.
 inline std::vector<long> top_k(const std::vector<double>& score, std::vector<long> candidates, long k) {
-  std::sort(candidates.begin(), candidates.end(), [&](long x, long y) {
+  const auto better = [&](long x, long y) {
     const double sx = score[static_cast<std::size_t>(x)], sy = score[static_cast<std::size_t>(y)];
     if (sx != sy) return sx > sy;
     return x < y;
-  });
-  if (k < static_cast<long>(candidates.size())) candidates.resize(static_cast<std::size_t>(std::max(k, 0L)));
+  };
+  if (k < static_cast<long>(candidates.size())) {
+    const auto cut = candidates.begin() + std::max(k, 0L);
+    std::nth_element(candidates.begin(), cut, candidates.end(), better);  // a strict total order: exact
+    candidates.erase(cut, candidates.end());
+  }
+  std::sort(candidates.begin(), candidates.end());
   return candidates;
 }
 

@@ -84,7 +84,7 @@ struct Attention {
   std::vector<Index> visible;  // (R)
   double scale = 1.0;
   double softcap = 0.0;  ///< 0 = off
-  std::vector<double> bias;  ///< (m) or empty
+  std::vector<double> bias{};  ///< (m) or empty
 };
 
 /// (G·W) causal prefix lengths: row r = local_head·W + i sits at position p_i = n − W + i and sees the

@@ -581,10 +581,11 @@ class Pipeline {
       const auto& kept = sel.kept[g];
       for (std::size_t i = 0; i < kept.size(); ++i) {
         const auto k = static_cast<Index>(i);
-        bias[k] += layer.bias.at(static_cast<Index>(g), kept[i]);
-        if (!std::isfinite(bias[k]))
+        const auto stored = layer.bias.at(static_cast<Index>(g), kept[i]), term = bias[k];
+        bias[k] = term + stored;
+        if (!std::isfinite(bias[k]) && std::isfinite(stored) && std::isfinite(term))
           throw error(detail::concat("bias[", k, "] = ", bias[k], " of KV head ", g, " is not finite: the stored bias ",
-                                     layer.bias.at(static_cast<Index>(g), kept[i]), " plus the new term overflows"));
+                                     stored, " plus the new term ", term, " overflows"));
       }
     }
   }

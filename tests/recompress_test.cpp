@@ -1,11 +1,12 @@
 // Compressing again: a view that carries each entry's stored position and bias (a result handed back
 // through compact_into / compact_bias_into / compact_positions_into). Biased window attention and bias
 // composition against the double reference (ref::window_probs with a bias), positions travelling over
-// n → m1 → m2, a keep-everything first step equal to one step, RoPE from the stored positions, GRKV
-// fitted with the bias, and the view's validation.
+// n → m1 → m2 (window_output_error reading them), a keep-everything first step equal to one step,
+// RoPE from the stored positions, GRKV fitted with the bias, and the view's validation.
 #include <catch2/catch.hpp>
 
 #include <kvcompress/attention/window_attention.hpp>
+#include <kvcompress/metrics.hpp>
 #include <kvcompress/pipeline.hpp>
 #include <kvcompress/presets.hpp>
 #include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
@@ -213,6 +214,8 @@ void check_positions_travel(const char* name, typename Preset::Arguments args = 
     CHECK(h.bias == r2_indices.heads[g].bias);
   }
   CHECK(moved);
+  // The window error sees the same entries through stored positions as through indices.
+  CHECK(window_output_error(v1, r2) == window_output_error(v1_indices, r2_indices));
   CHECK(r2.next_position == f.n);  // the last entry (position n − 1) is kept by every preset here
   CHECK(r2_indices.next_position == 120);
 }

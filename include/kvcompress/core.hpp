@@ -263,14 +263,43 @@ TensorView<T> make_token_major(T* data, Index tokens, Index heads, Index dim) {
   return TensorView<T>::token_major(data, tokens, heads, dim);
 }
 
+/// Additive logit bias `[heads][length]` with a head stride; entries at or beyond `length` are 0.
+template <class Real>
+struct BiasView {
+  const Real* data = nullptr;
+  Index heads = 0;
+  Index length = 0;
+  Index head_stride = 0;
+  Real at(Index g, Index i) const { return (data && i < length) ? data[g * head_stride + i] : Real(0); }
+};
+
+/// Original positions `[heads][length]` with a head stride (entry i of head g at
+/// data[g * head_stride + i]); absent (data null): entry i is at position i.
+struct PositionView {
+  const Index* data = nullptr;
+  Index heads = 0;
+  Index length = 0;
+  Index head_stride = 0;
+  Index at(Index g, Index i) const { return data ? data[g * head_stride + i] : i; }
+};
+
 /// One layer of one sequence as the engine cached it (SPEC §1).
 ///   keys, values : [Hkv][n][d]   post-RoPE keys and values
-///   queries      : [Hq][W][d]    post-RoPE queries of the last W prefill positions n-W .. n-1
+///   queries      : [Hq][W][d]    post-RoPE queries of the last W positions (cache entries n-W .. n-1)
+///   positions    : [Hkv][n]      optional: the RoPE position each key was rotated at (absent: 0..n-1)
+///   bias         : [Hkv][<=n]    optional: each entry's additive logit bias from an earlier
+///                                compression (absent, or entries beyond its length: 0)
+/// A LayerResult handed back as the next view: docs/integration.md ("Compressing again").
 template <class T>
 struct LayerView {
   TensorView<const T> keys;
   TensorView<const T> values;
   TensorView<const T> queries;
+  PositionView positions{};
+  BiasView<compute_t<T>> bias{};
+
+  /// Whether entries carry a stored bias (the window attention adds it to its logits).
+  bool biased() const { return bias.data != nullptr && bias.length > 0; }
 
   Index kv_heads() const { return keys.heads; }
   Index query_heads() const { return queries.heads; }
@@ -446,6 +475,65 @@ Status check_finite(const TensorView<T>& v, const char* name) {
 }  // namespace detail
 
 namespace detail {
+
+/// The stored positions: [kv heads][n] (length = n), a non-null pointer, head_stride >= n with more
+/// than one head, every position >= 0 and strictly increasing along each head (the kept positions of
+/// a result ascend, and the causal window mask is by entry order). O(Hkv·n).
+template <class T>
+Status check_positions(const LayerView<T>& layer) {
+  const PositionView& p = layer.positions;
+  if (p.data == nullptr) {
+    if (p.heads != 0 || p.length != 0)
+      return Status::fail(Status::Code::invalid_argument,
+                          concat("positions: data is null but the shape is [", p.heads, "][", p.length, "]"));
+    return Status::ok();
+  }
+  if (p.heads != layer.kv_heads() || p.length != layer.tokens())
+    return Status::fail(Status::Code::invalid_shape,
+                        concat("positions: shape [", p.heads, "][", p.length, "] differs from [kv heads=",
+                               layer.kv_heads(), "][tokens=", layer.tokens(), "]"));
+  if (p.head_stride < 0 || (p.heads > 1 && p.head_stride < p.length))
+    return Status::fail(Status::Code::aliasing,
+                        concat("positions: head_stride ", p.head_stride, " must be >= length ", p.length,
+                               " (rows would overlap)"));
+  for (Index g = 0; g < p.heads; ++g)
+    for (Index j = 0; j < p.length; ++j) {
+      const Index x = p.at(g, j);
+      if (x < 0 || (j > 0 && x <= p.at(g, j - 1)))
+        return Status::fail(Status::Code::invalid_argument,
+                            concat("positions[", g, "][", j, "] = ", x, ": positions must be >= 0 and strictly ",
+                                   "increasing along each head", j > 0 ? concat(" (previous ", p.at(g, j - 1), ")") : ""));
+    }
+  return Status::ok();
+}
+
+/// The stored bias: [kv heads][length <= n], a non-null pointer when length > 0, head_stride >= length
+/// with more than one head; with `scan` every entry finite (−inf would hide an entry: evict it instead).
+template <class T>
+Status check_bias(const LayerView<T>& layer, bool scan) {
+  const auto& b = layer.bias;
+  if (b.data == nullptr) {
+    if (b.heads != 0 || b.length != 0)
+      return Status::fail(Status::Code::invalid_argument,
+                          concat("bias: data is null but the shape is [", b.heads, "][", b.length, "]"));
+    return Status::ok();
+  }
+  if (b.heads != layer.kv_heads() || b.length < 0 || b.length > layer.tokens())
+    return Status::fail(Status::Code::invalid_shape,
+                        concat("bias: shape [", b.heads, "][", b.length, "] must be [kv heads=", layer.kv_heads(),
+                               "][length <= tokens=", layer.tokens(), "]"));
+  if (b.head_stride < 0 || (b.heads > 1 && b.head_stride < b.length))
+    return Status::fail(Status::Code::aliasing,
+                        concat("bias: head_stride ", b.head_stride, " must be >= length ", b.length,
+                               " (rows would overlap)"));
+  if (scan)
+    for (Index g = 0; g < b.heads; ++g)
+      for (Index j = 0; j < b.length; ++j)
+        if (!std::isfinite(b.at(g, j)))
+          return Status::fail(Status::Code::non_finite, concat("bias[", g, "][", j, "] is not finite (", b.at(g, j), ")"));
+  return Status::ok();
+}
+
 /// validate_layer with the NaN/Inf scans of K, V and the window queries separable (the pipeline folds
 /// the K and V scans into the stages that read them anyway).
 template <class T>
@@ -475,6 +563,8 @@ Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool chec
     return Status::fail(Status::Code::invalid_shape,
                         concat("window attention of (group size ", layer.group_size(), " x window ", layer.window(),
                                ") rows over tokens=", layer.tokens(), " needs more than ", kMaxViewBytes, " bytes"));
+  KVC_RETURN_IF_ERROR(detail::check_positions(layer));
+  KVC_RETURN_IF_ERROR(detail::check_bias(layer, check_queries));
   if (check_keys) KVC_RETURN_IF_ERROR(detail::check_finite(layer.keys, "keys"));
   if (check_values) KVC_RETURN_IF_ERROR(detail::check_finite(layer.values, "values"));
   if (check_queries)  // only the last window() query rows are read
@@ -484,7 +574,9 @@ Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool chec
 }
 }  // namespace detail
 
-/// Checks shapes, strides and (optionally) finiteness of a layer. O(n·d·H) when `check_values`.
+/// Checks shapes, strides and (optionally) finiteness of a layer, with its stored positions (always:
+/// shape, >= 0, strictly increasing per head) and bias (shape; finite when `check_values`).
+/// O(n·d·H) when `check_values`.
 template <class T>
 Status validate_layer(const LayerView<T>& layer, bool check_values = true) {
   return detail::validate_layer_impl(layer, check_values, check_values, check_values);

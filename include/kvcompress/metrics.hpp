@@ -8,8 +8,9 @@ namespace kvc {
 
 /// Relative attention-output error on the window, over all query heads:
 ///   ‖Y_full − Y_comp‖_F / ‖Y_full‖_F,  Y_full = A V (SPEC §2), Y_comp = softmax(logits + bias) Ṽ
-/// where window row i (position p_i = n − W + i) sees the compressed entries whose original position
-/// is ≤ p_i (a merged entry sits at its kept token's position). O(Hq·W·(n + m)·d). Throws kvc::error
+/// where window row i (entry n − W + i at position p_i: its stored position, or n − W + i) sees the
+/// compressed entries whose original position is ≤ p_i (a merged entry sits at its kept token's
+/// position). O(Hq·W·(n + m)·d). Throws kvc::error
 /// when the result does not belong to the layer's shape.
 template <class T, class Real>
 double window_output_error(const LayerView<T>& layer, const LayerResult<Real>& result,
@@ -37,7 +38,7 @@ double window_output_error(const LayerView<T>& layer, const LayerResult<Real>& r
       logits = (c * (logits.array() / c).tanh()).matrix();
     }
     for (Index r = 0; r < qg.rows(); ++r) {
-      const Index p = n - W + (r % W);
+      const Index p = layer.positions.at(g, n - W + (r % W));  // stored positions, when the view has them
       Real mx = -std::numeric_limits<Real>::infinity();
       for (Index i = 0; i < hr.size(); ++i)
         if (hr.positions[i] <= p) mx = std::max(mx, logits(r, i) + hr.bias[i]);

@@ -12,6 +12,10 @@
 //   Compensator       bias_g (m_g)             decode-time additive logit bias
 //   (optional) RoPE repositioning of the kept keys to 0..m−1
 //
+// A view compressed before (LayerView::positions, ::bias): window attention adds the stored bias to
+// its logits, the result's positions are the kept entries' stored positions, and each kept entry's
+// new bias is its stored bias plus the compensator's term (docs/numerics.md, "Compressing again").
+//
 // Threads: serial by default. Arguments::threads > 1 runs the per-KV-head stages (window attention +
 // scoring, and route + merge + compensate) on that many std::threads; results are bit-identical for
 // any thread count (see parallel.hpp). What a policy declares about itself (what it reads, what it
@@ -30,6 +34,7 @@
 #include "kvcompress/router/no_route.hpp"
 #include "kvcompress/selector/top_k.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -508,7 +513,12 @@ class Pipeline {
     check_merge(ctx, merged);
     compensator().compensate(ctx, routing, merged, out.bias);  // (m_g)
     check_bias(ctx, out.bias);
-    out.positions = kept;
+    if (ctx.layer().positions.data == nullptr) {
+      out.positions = kept;
+    } else {  // a view compressed before: the kept entries' stored positions
+      out.positions.resize(kept.size());
+      for (std::size_t i = 0; i < kept.size(); ++i) out.positions[i] = ctx.position(kept[i]);
+    }
     out.diagnostics = merged.diagnostics;
     fill_counts(merged, out.diagnostics);
   }
@@ -561,7 +571,35 @@ class Pipeline {
     for (auto& h : result.heads) h.bias = mean;
   }
 
-  /// Stage 6: kept keys re-embedded at positions 0..m_g−1 (SPEC §10); the next token uses max m_g.
+  /// Stage 5b (a view compressed before): each kept entry's stored bias added to its new bias, so
+  /// that the bias composes over compressions (docs/numerics.md, "Compressing again"). O(Σ m_g).
+  template <class T>
+  static void add_stored_bias(const LayerView<T>& layer, const Selection<compute_t<T>>& sel,
+                              LayerResult<compute_t<T>>& result) {
+    for (std::size_t g = 0; g < result.heads.size(); ++g) {
+      auto& bias = result.heads[g].bias;
+      const auto& kept = sel.kept[g];
+      for (std::size_t i = 0; i < kept.size(); ++i) {
+        const auto k = static_cast<Index>(i);
+        const auto stored = layer.bias.at(static_cast<Index>(g), kept[i]), term = bias[k];
+        bias[k] = term + stored;
+        if (!std::isfinite(bias[k]) && std::isfinite(stored) && std::isfinite(term))
+          throw error(detail::concat("bias[", k, "] = ", bias[k], " of KV head ", g, " is not finite: the stored bias ",
+                                     stored, " plus the new term ", term, " overflows"));
+      }
+    }
+  }
+
+  /// Whether every head kept the same stored positions (shared selection over a view with positions).
+  template <class Real>
+  static bool same_positions(const LayerResult<Real>& result) {
+    for (const auto& h : result.heads)
+      if (h.positions != result.heads[0].positions) return false;
+    return true;
+  }
+
+  /// Stage 6: kept keys re-embedded at positions 0..m_g−1 (SPEC §10), rotated from their stored
+  /// positions (or indices); the next token uses max m_g.
   template <class T>
   void reposition(const LayerView<T>& layer, LayerResult<compute_t<T>>& result) const {
     const Index d = layer.head_dim();
@@ -610,8 +648,17 @@ void Pipeline<Scorer, Selector, Router, Merger, Compensator, Allocator>::run_unc
   compress_heads(layer, sel, ws, result);
   // 5. Shared selection: one bias per position, the mean over KV heads (SPEC §8).
   if (sel.shared) share_bias(result, ws.shared_bias);
-  // 6. Optional RoPE repositioning to positions 0..m−1 (SPEC §10).
+  //    A view compressed before: + the kept entries' stored bias (after the mean: it is per head).
+  if (layer.biased()) add_stored_bias(layer, sel, result);
+  if (sel.shared && layer.positions.data != nullptr) result.shared_positions = same_positions(result);
+  // 6. Optional RoPE repositioning to positions 0..m−1 (SPEC §10). Else the next token follows the
+  //    cache's last entry: n, or its largest last stored position + 1.
   result.next_position = layer.tokens();
+  if (layer.positions.data != nullptr) {
+    result.next_position = 0;
+    for (Index g = 0; g < layer.kv_heads(); ++g)
+      result.next_position = std::max(result.next_position, layer.positions.at(g, layer.tokens() - 1) + 1);
+  }
   if (args_.reposition.enabled) reposition(layer, result);
 }
 

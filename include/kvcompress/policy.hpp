@@ -81,14 +81,18 @@ class ScoreContext {
   const T* query(Index local_head, Index i) const {
     return layer_.queries.row(head_ * group_size() + local_head, layer_.queries.tokens - window() + i);
   }
-  /// The original position of entry j (the position its key was rotated at).
-  Index position(Index j) const { return j; }
+  /// The original position of entry j (the position its key was rotated at): the view's stored
+  /// position, or j when it has none.
+  Index position(Index j) const { return layer_.positions.at(head_, j); }
+  /// Entry j's stored logit bias from an earlier compression (0 when the view has none); the window
+  /// attention (mass(), probabilities, outputs) already includes it.
+  Real entry_bias(Index j) const { return layer_.bias.at(head_, j); }
 
   /// (n) raw window attention mass a_g (zeros unless a policy declares traits::needs_mass).
   const Vector<Real>& mass() const { return mass_; }
 
   /// p (n) <- the causal window probabilities of row r = local_head·W + i of this head's query group
-  /// (SPEC §2): softmax_j(softcap(scale·<q, k_j>)) for j <= n − W + i, 0 beyond. O(n·d), no other
+  /// (SPEC §2): softmax_j(softcap(scale·<q, k_j>) + bias_j) for j <= n − W + i, 0 beyond. O(n·d), no other
   /// memory. Throws kvc::error when a logit is not finite (keys or queries too large for the
   /// arithmetic type).
   void row_probabilities(Index r, Vector<Real>& p) const {

@@ -4,6 +4,7 @@
 #include "kvcompress/core.hpp"
 #include "kvcompress/policy.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -151,6 +152,29 @@ std::vector<Index> compact_into(const LayerResult<Real>& result, const TensorVie
   return lengths;
 }
 
+namespace detail {
+/// The checks of compact_bias_into / compact_positions_into (rows of `m` <= capacity elements of
+/// `elem` bytes, head_stride apart, for H heads); false when there is nothing to write.
+inline bool check_head_rows(const char* fn, const char* what, Index H, Index m, const void* out, Index head_stride,
+                            Index capacity, std::size_t elem) {
+  if (capacity < 0) throw error(concat(fn, ": capacity must be >= 0, got ", capacity));
+  if (m > capacity) throw error(concat(fn, ": capacity ", capacity, " < ", m));
+  if (H == 0 || m == 0) return false;
+  if (out == nullptr) throw error(concat(fn, ": ", what, " is null"));
+  if (head_stride < 0) throw error(concat(fn, ": head_stride must be >= 0, got ", head_stride));
+  if (H > 1 && head_stride < capacity)
+    throw error(concat(fn, ": head_stride ", head_stride, " < capacity ", capacity, ": the rows of ", H,
+                       " heads would overlap"));
+  Index span = 0, bytes = 0;
+  if (!checked_mul(H - 1, head_stride, span) || !checked_add(span, capacity, span) ||
+      !checked_mul(span, static_cast<Index>(elem), bytes) || bytes > kMaxViewBytes ||
+      reinterpret_cast<std::uintptr_t>(out) > std::numeric_limits<std::uintptr_t>::max() - static_cast<std::uintptr_t>(bytes))
+    throw error(concat(fn, ": ", H, " heads with head_stride=", head_stride, " and capacity=", capacity,
+                       " span more than ", kMaxViewBytes, " bytes"));
+  return true;
+}
+}  // namespace detail
+
 /// Writes the bias of head g into bias_out[g * head_stride + i] for i < m_g (e.g. an engine's
 /// additive attention-mask row), converted to B (float, double, Eigen::half or Eigen::bfloat16).
 /// Throws kvc::error, and writes nothing, when a row does not fit `capacity`, `bias_out` is null,
@@ -161,21 +185,9 @@ void compact_bias_into(const LayerResult<Real>& result, B* bias_out, Index head_
   static_assert(is_element_type_v<B>, "compact_bias_into writes float, double, Eigen::half or Eigen::bfloat16");
   using detail::concat;
   const Index H = static_cast<Index>(result.heads.size());
-  if (capacity < 0) throw error(concat("compact_bias_into: capacity must be >= 0, got ", capacity));
-  if (result.max_size() > capacity)
-    throw error(concat("compact_bias_into: capacity ", capacity, " < ", result.max_size()));
-  if (H == 0 || result.max_size() == 0) return;
-  if (bias_out == nullptr) throw error("compact_bias_into: bias_out is null");
-  if (head_stride < 0) throw error(concat("compact_bias_into: head_stride must be >= 0, got ", head_stride));
-  if (H > 1 && head_stride < capacity)
-    throw error(concat("compact_bias_into: head_stride ", head_stride, " < capacity ", capacity,
-                       ": the rows of ", H, " heads would overlap"));
-  Index span = 0, bytes = 0;
-  if (!detail::checked_mul(H - 1, head_stride, span) || !detail::checked_add(span, capacity, span) ||
-      !detail::checked_mul(span, static_cast<Index>(sizeof(B)), bytes) || bytes > detail::kMaxViewBytes ||
-      reinterpret_cast<std::uintptr_t>(bias_out) > std::numeric_limits<std::uintptr_t>::max() - static_cast<std::uintptr_t>(bytes))
-    throw error(concat("compact_bias_into: ", H, " heads with head_stride=", head_stride, " and capacity=",
-                       capacity, " span more than ", detail::kMaxViewBytes, " bytes"));
+  if (!detail::check_head_rows("compact_bias_into", "bias_out", H, result.max_size(), bias_out, head_stride, capacity,
+                               sizeof(B)))
+    return;
   for (Index g = 0; g < H; ++g) {
     const auto& bias = result.heads[static_cast<std::size_t>(g)].bias;
     Index i = 0, c = 0;
@@ -186,6 +198,20 @@ void compact_bias_into(const LayerResult<Real>& result, B* bias_out, Index head_
   for (std::size_t g = 0; g < result.heads.size(); ++g)
     for (Index i = 0; i < result.heads[g].size(); ++i)
       bias_out[static_cast<Index>(g) * head_stride + i] = from_real<B>(result.heads[g].bias[i]);
+}
+
+/// Writes the positions of head g into positions_out[g * head_stride + i] for i < m_g: with
+/// compact_into and compact_bias_into, the memory of the next compression's LayerView (its
+/// `positions`). Throws kvc::error, and writes nothing, on the shapes compact_bias_into rejects.
+template <class Real>
+void compact_positions_into(const LayerResult<Real>& result, Index* positions_out, Index head_stride, Index capacity) {
+  const Index H = static_cast<Index>(result.heads.size());
+  if (!detail::check_head_rows("compact_positions_into", "positions_out", H, result.max_size(), positions_out,
+                               head_stride, capacity, sizeof(Index)))
+    return;
+  for (std::size_t g = 0; g < result.heads.size(); ++g)
+    std::copy(result.heads[g].positions.begin(), result.heads[g].positions.end(),
+              positions_out + static_cast<Index>(g) * head_stride);
 }
 
 }  // namespace kvc

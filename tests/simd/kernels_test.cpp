@@ -423,6 +423,56 @@ void check_row_dots(std::mt19937_64& rng) {
     }
 }
 
+// The stored bias of a view compressed before (no soft-cap): softmax_tile and softmax_tile_t with a
+// bias equal, bit for bit, the same kernel without one on logits x + b (rows or columns past bias_len
+// unbiased), masked or not, in every lane group.
+template <class A>
+void check_biased_softmax_tiles(std::mt19937_64& rng) {
+  constexpr long L = long(simd::fbatch<A>::size);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (const long Rp : {2 * L, 5 * L}) {
+    const long W = 5, n = 7, base = n - W, count = 3;
+    std::vector<float> last(static_cast<std::size_t>(Rp));
+    for (long c = 0; c < Rp; ++c) last[std::size_t(c)] = float(c < Rp - 1 ? c % W : W);
+    const auto raw = random_row<float>(rng, count * Rp, 4.0);
+    const auto b = random_row<float>(rng, count, 2.0);
+    for (const bool masked : {false, true})
+      for (const long bias_len : {count, count - 1}) {
+        INFO("arch " << A::name() << " Rp " << Rp << " masked " << masked << " bias_len " << bias_len);
+        std::vector<float> xa = raw, xb = raw, ma(std::size_t(Rp), ninf), mb = ma;
+        std::vector<float> sa(std::size_t(Rp), 0.f), sb = sa, ha = sa, hb = sa;
+        for (long j = 0; j < bias_len; ++j)
+          for (long c = 0; c < Rp; ++c) xb[std::size_t(j * Rp + c)] += b[std::size_t(j)];
+        CHECK(simd::softmax_tile_t<A>(xa.data(), Rp, count, Rp, -base, masked, last.data(), 0.f, ma.data(), sa.data(),
+                                      ha.data(), nullptr, b.data(), bias_len));
+        CHECK(simd::softmax_tile_t<A>(xb.data(), Rp, count, Rp, -base, masked, last.data(), 0.f, mb.data(), sb.data(),
+                                      hb.data()));
+        CHECK(xa == xb);
+        CHECK(ma == mb);
+        CHECK(sa == sb);
+        CHECK(ha == hb);
+      }
+  }
+  const long rows = 3, cols = 2 * L + 3;
+  const auto raw = random_row<float>(rng, rows * cols, 4.0);
+  const auto b = random_row<float>(rng, cols, 2.0);
+  for (const long bias_len : {cols, cols - 2, 1L}) {
+    INFO("arch " << A::name() << " softmax_tile bias_len " << bias_len);
+    const std::vector<simd::Index> live = {cols, cols - 1, 2};
+    std::vector<float> xa = raw, xb = raw, ma(std::size_t(rows), ninf), mb = ma;
+    std::vector<float> sa(std::size_t(rows), 0.f), sb = sa, ha = sa, hb = sa;
+    for (long r = 0; r < rows; ++r)
+      for (long j = 0; j < bias_len; ++j) xb[std::size_t(r * cols + j)] += b[std::size_t(j)];
+    simd::softmax_tile<A>(xa.data(), cols, rows, cols, live.data(), 0.f, ma.data(), sa.data(), ha.data(), b.data(),
+                          bias_len);
+    simd::softmax_tile<A>(xb.data(), cols, rows, cols, live.data(), 0.f, mb.data(), sb.data(), hb.data());
+    CHECK(xa == xb);
+    CHECK(ma == mb);
+    CHECK(sa == sb);
+    CHECK(ha == hb);
+  }
+}
+
 template <class A>
 void check_all_types(std::mt19937_64& rng) {
   check_window_gemm<A>(rng);
@@ -434,6 +484,7 @@ void check_all_types(std::mt19937_64& rng) {
   check_exp<A>();
   check_exp2<A>();
   check_softmax_tile<A>(rng);
+  check_biased_softmax_tiles<A>(rng);
   check_multi_row<A, float>(rng);
   check_multi_row<A, Eigen::half>(rng);
   check_multi_row<A, Eigen::bfloat16>(rng);

@@ -128,15 +128,18 @@ inline std::vector<double> row_vector(const Eigen::MatrixXd& M, long r) {
 
 /// Window attention probabilities, one (W,n) matrix per query head (SPEC §2).
 ///   Q: [Hq][Wq][d] post-RoPE window queries, K: [Hkv][n][d] keys; Hq % Hkv == 0.
-///   A_h[i][j] = softmax_j(softcap(scale·<q_{h,i}, k_{h/G,j}>)) for j <= p_i = n - W + i, else 0.
+///   A_h[i][j] = softmax_j(softcap(scale·<q_{h,i}, k_{h/G,j}>) + b_{h/G,j}) for j <= p_i = n - W + i,
+///   else 0. bias: (Hkv, nb) with nb <= n, the stored bias of a cache compressed before (entries
+///   j >= nb, and every entry without it, have b = 0), added after the soft-cap as decode attention does.
 /// Reference decision: if Wq > n, W = n and only the LAST n rows of Q are used (they are the queries
 /// of positions 0..n-1). Returned matrices have W = min(Wq, n) rows.
 inline std::vector<Eigen::MatrixXd> window_probs(const Tensor3& Q, const Tensor3& K, double scale,
-                                                 double softcap) {
+                                                 double softcap, const Eigen::MatrixXd* bias = nullptr) {
   require(K.n > 0 && K.d > 0, "n and d must be positive");
   require(Q.d == K.d, "Q and K head dimensions differ");
   require(K.H > 0 && Q.H > 0 && Q.H % K.H == 0, "Hq must be a positive multiple of Hkv");
   require(Q.n > 0, "window must be non-empty");
+  require(bias == nullptr || (bias->rows() == K.H && bias->cols() <= K.n), "bias must be (Hkv, nb <= n)");
   const long n = K.n, d = K.d, Hq = Q.H, G = Q.H / K.H;
   const long W = std::min(Q.n, n);
   const long row_offset = Q.n - W;  // first used row of Q
@@ -147,8 +150,10 @@ inline std::vector<Eigen::MatrixXd> window_probs(const Tensor3& Q, const Tensor3
     for (long i = 0; i < W; ++i) {
       const long p_i = n - W + i;
       std::vector<double> logits;
-      for (long j = 0; j <= p_i; ++j)
-        logits.push_back(apply_softcap(scale * dot(Q.vec(h, row_offset + i), K.vec(g, j), d), softcap));
+      for (long j = 0; j <= p_i; ++j) {
+        const double b = bias != nullptr && j < bias->cols() ? (*bias)(g, j) : 0.0;
+        logits.push_back(apply_softcap(scale * dot(Q.vec(h, row_offset + i), K.vec(g, j), d), softcap) + b);
+      }
       const std::vector<double> p = softmax(logits);
       for (long j = 0; j <= p_i; ++j) A(i, j) = p[static_cast<std::size_t>(j)];
     }

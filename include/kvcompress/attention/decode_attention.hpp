@@ -21,16 +21,6 @@
 
 namespace kvc {
 
-/// Additive logit bias `[heads][length]` with a head stride; entries at or beyond `length` are 0.
-template <class Real>
-struct BiasView {
-  const Real* data = nullptr;
-  Index heads = 0;
-  Index length = 0;
-  Index head_stride = 0;
-  Real at(Index g, Index i) const { return (data && i < length) ? data[g * head_stride + i] : Real(0); }
-};
-
 namespace detail {
 
 /// The plain loops (double reference runs): per query head, logits, softmax, weighted sum of values.

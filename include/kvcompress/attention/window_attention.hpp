@@ -1,5 +1,7 @@
 // Window attention over the observation window (SPEC §2): causal probabilities of the last W
 // prefill queries over the whole cache, and the per-KV-head attention mass `a`.
+// A view compressed before (LayerView::bias) adds its stored bias to every logit after the soft-cap,
+// as decode attention does: softcap(scale·<q, k_j>) + bias_j.
 #pragma once
 #include "kvcompress/core.hpp"
 #define KVC_INTERNAL_INCLUDE  // admits the private header for this one include
@@ -55,6 +57,22 @@ struct AttentionArguments {
 
 namespace detail {
 inline constexpr Index kKeyTile = 256;  // keys converted per tile for half/bfloat16 input
+
+/// KV head g's stored bias (LayerView::bias): `data` <- its first entry, returns how many entries are
+/// stored (0: unbiased; entries beyond are 0). Paths branch on it once per head.
+template <class T>
+Index head_bias(const LayerView<T>& layer, Index g, const compute_t<T>*& data) {
+  data = layer.biased() ? layer.bias.data + g * layer.bias.head_stride : nullptr;
+  return data ? layer.bias.length : 0;
+}
+
+/// The stored bias of tile [j0, j0 + cnt): its pointer and length (0 when the tile has none).
+template <class Real>
+Index tile_bias(const Real* bias, Index bias_len, Index j0, Index cnt, const Real*& out) {
+  const Index len = std::clamp<Index>(bias_len - j0, 0, cnt);
+  out = len > 0 ? bias + j0 : nullptr;
+  return len;
+}
 }
 
 /// The product window_mass uses under `args` for a head dimension d and R = G·W window query rows
@@ -129,8 +147,9 @@ RowMatrix<Real> gather_group_queries(const LayerView<T>& layer, Index g) {
   return q;
 }
 
-/// Logits (R, n) = softcap(scale * Qg K_g^T) for KV head g, with Qg from gather_group_queries.
-/// Half and bfloat16 keys are converted tile by tile (no full-size float copy).
+/// Logits (R, n) = softcap(scale * Qg K_g^T) + bias_g for KV head g, with Qg from
+/// gather_group_queries and bias_g the view's stored bias (0 when absent). Half and bfloat16 keys are
+/// converted tile by tile (no full-size float copy).
 template <class Real, class T>
 void window_logits(const LayerView<T>& layer, Index g, const RowMatrix<Real>& qg,
                    const AttentionArguments& args, RowMatrix<Real>& logits) {
@@ -153,6 +172,10 @@ void window_logits(const LayerView<T>& layer, Index g, const RowMatrix<Real>& qg
     const Real c = static_cast<Real>(args.softcap);
     logits = (c * (logits.array() / c).tanh()).matrix();
   }
+  const compute_t<T>* bias = nullptr;
+  if (const Index len = detail::head_bias(layer, g, bias); len > 0)
+    logits.leftCols(len).rowwise() +=
+        Eigen::Map<const Vector<compute_t<T>>>(bias, len).template cast<Real>().transpose();
 }
 
 /// In place: each row r (window row i = r % W) becomes the causal softmax over keys j <= n - W + i,
@@ -194,6 +217,8 @@ void window_exp_tiles(const LayerView<T>& layer, Index g, const AttentionArgumen
   ws.row_sum.setZero(R);
   ws.live.resize(static_cast<std::size_t>(R));
   if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
+  const float* bias = nullptr;
+  const Index bias_len = head_bias(layer, g, bias);
   for (Index t = 0; t < tiles; ++t) {
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
     auto block = ws.exps.middleCols(j0, cnt);  // (R, cnt)
@@ -206,8 +231,10 @@ void window_exp_tiles(const LayerView<T>& layer, Index g, const AttentionArgumen
     }
     // Row r = local_head·W + i sees keys j <= n − W + i.
     for (Index r = 0; r < R; ++r) ws.live[static_cast<std::size_t>(r)] = n - W + r % W + 1 - j0;
+    const float* tb = nullptr;
+    const Index tb_len = tile_bias(bias, bias_len, j0, cnt, tb);
     simd::softmax_tile<Arch>(block.data(), n, R, cnt, ws.live.data(), cap, ws.row_max.data(),
-                             ws.row_sum.data(), ws.shift.row(t).data());
+                             ws.row_sum.data(), ws.shift.row(t).data(), tb, tb_len);
   }
 }
 
@@ -257,7 +284,8 @@ void window_probabilities(const LayerView<T>& layer, Index g, const AttentionArg
 }
 
 /// p (n) <- the causal probabilities of window row r = local_head·W + i of KV head g's query group
-/// (SPEC §2): softmax_j(softcap(scale·<q, k_j>)) over j <= n − W + i, exactly 0 beyond. One pass of
+/// (SPEC §2): softmax_j(softcap(scale·<q, k_j>) + bias_j) over j <= n − W + i, exactly 0 beyond
+/// (bias_j: the view's stored bias, 0 when absent). One pass of
 /// dots over the visible keys (O(n·d)), no other memory. Returns false when a logit is NaN or ±Inf
 /// (p is then meaningless).
 template <class Real, class T>
@@ -269,6 +297,8 @@ bool window_row_probabilities(const LayerView<T>& layer, Index g, Index r, const
   const T* q = layer.queries.row(g * G + r / W, layer.queries.tokens - W + i);
   const Real scale = static_cast<Real>(args.resolved_scale(d));
   const Real cap = static_cast<Real>(args.softcap);
+  const compute_t<T>* bias = nullptr;
+  const Index bias_len = detail::head_bias(layer, g, bias);
   p.setZero(n);
   Real mx = -std::numeric_limits<Real>::infinity();
   for (Index j = 0; j < visible; ++j) {
@@ -278,6 +308,7 @@ bool window_row_probabilities(const LayerView<T>& layer, Index g, Index r, const
     s *= scale;
     if (cap > 0) s = cap * std::tanh(s / cap);
     if (!std::isfinite(s)) return false;
+    if (j < bias_len) s += static_cast<Real>(bias[j]);
     p[j] = s;
     mx = std::max(mx, s);
   }
@@ -329,13 +360,17 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   ws.tile_max.resize(Rp);
   for (Index c = 0; c < Rp; ++c) ws.lane_last[c] = static_cast<float>(c < R ? c % W : W);
   if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
+  const float* bias = nullptr;
+  const Index bias_len = head_bias(layer, g, bias);
   bool finite = true;
   for (Index t = 0; t < tiles; ++t) {
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
     float* x = ws.exps.row(j0).data();
     const bool masked = j0 + cnt > base;
-    // The product's lane maxima spare the softmax a pass, except where it masks or soft-caps.
-    float* tile_max = masked || cap > 0.0f || amx ? nullptr : ws.tile_max.data();
+    const float* tb = nullptr;
+    const Index tb_len = tile_bias(bias, bias_len, j0, cnt, tb);
+    // The product's lane maxima spare the softmax a pass, except where it masks, soft-caps or biases.
+    float* tile_max = masked || cap > 0.0f || amx || tb_len > 0 ? nullptr : ws.tile_max.data();
     if constexpr (std::is_same_v<T, float>) {
       if (amx) {
         simd::amx_window_logits_t(layer.keys.row(g, j0), layer.keys.token_stride, cnt, ws.amx, x, Rp, n - j0);
@@ -350,7 +385,8 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
       simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp, nullptr, 0, tile_max);
     }
     finite &= simd::softmax_tile_t<Arch>(x, Rp, cnt, Rp, j0 - base, masked, ws.lane_last.data(), cap,
-                                         ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data(), tile_max);
+                                         ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data(), tile_max,
+                                         tb, tb_len);
   }
   return finite;
 }
@@ -443,6 +479,8 @@ void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments
     Vector<float> row_sum = Vector<float>::Zero(R), shift(R);
     Vector<float> applied = row_max;  // (R) the maximum Y's rows are currently relative to
     std::vector<Index> live(static_cast<std::size_t>(R));
+    const float* bias = nullptr;
+    const Index bias_len = detail::head_bias(layer, g, bias);
     Y.setZero(R, d);
     for (Index j0 = 0; j0 < n; j0 += tile) {
       const Index cnt = std::min(tile, n - j0);
@@ -455,8 +493,10 @@ void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments
         block.noalias() = scale * (q * keys.transpose());
       }
       for (Index r = 0; r < R; ++r) live[static_cast<std::size_t>(r)] = n - W + r % W + 1 - j0;
+      const float* tb = nullptr;
+      const Index tb_len = detail::tile_bias(bias, bias_len, j0, cnt, tb);
       simd::softmax_tile<Arch>(exps.data(), tile, R, cnt, live.data(), cap, row_max.data(), row_sum.data(),
-                               shift.data());
+                               shift.data(), tb, tb_len);
       if constexpr (std::is_same_v<T, float>) {
         part.noalias() = block * detail::map_rows<float>(layer.values, g, j0, cnt);
       } else {

@@ -76,12 +76,15 @@ struct RidgeMerge {
 /// flattening (index i·b + j).
 namespace ridge {
 
-/// How the R stacked window rows attend over the kept set: logits softcap(scale·<q_r, k_j>) for the
-/// first `visible[r]` kept entries (a causal prefix, since kept positions ascend), nothing beyond.
+/// How the R stacked window rows attend over the kept set: logits softcap(scale·<q_r, k_j>) + bias_j
+/// for the first `visible[r]` kept entries (a causal prefix, since kept positions ascend), nothing
+/// beyond. bias_j: the kept entry's stored bias (a view compressed before); empty = 0. It is a
+/// constant per column, so the Jacobians (which differentiate the soft-cap only) are unchanged.
 struct Attention {
   std::vector<Index> visible;  // (R)
   double scale = 1.0;
   double softcap = 0.0;  ///< 0 = off
+  std::vector<double> bias{};  ///< (m) or empty
 };
 
 /// (G·W) causal prefix lengths: row r = local_head·W + i sits at position p_i = n − W + i and sees the
@@ -141,7 +144,7 @@ inline std::vector<Index> free_indices(const std::vector<bool>& fixed) {
   return out;
 }
 
-/// X = masked softmax(softcap(s·Q Kᵀ)) (R, m); a row that sees nothing is all zero. When `chain` is
+/// X = masked softmax(softcap(s·Q Kᵀ) + bias) (R, m); a row that sees nothing is all zero. When `chain` is
 /// given it receives ∂softcap/∂logit = 1 − tanh²(s·<q,k>/c) (R, m), all ones without soft-cap.
 /// O(R·m·d).
 template <class Real>
@@ -158,6 +161,11 @@ void probabilities(const RowMatrix<Real>& Q,  // (R, d)
     if (chain) *chain = (Real(1) - (probs.array() / c).square()).matrix();
   } else if (chain) {
     chain->setOnes(R, m);
+  }
+  if (!att.bias.empty()) {
+    KVC_ASSERT(static_cast<Index>(att.bias.size()) == m);
+    for (Index r = 0; r < R; ++r)
+      for (Index j = 0; j < m; ++j) probs(r, j) += static_cast<Real>(att.bias[static_cast<std::size_t>(j)]);
   }
   for (Index r = 0; r < R; ++r) {
     const Index len = std::min<Index>(att.visible[static_cast<std::size_t>(r)], m);
@@ -804,6 +812,10 @@ void RidgeMerge::merge(const HeadContext<T>& ctx, const Routing& /*routing: unus
   att.visible = ridge::visible_counts(kept, n, W, G);
   att.scale = ctx.attention().resolved_scale(d);
   att.softcap = ctx.attention().softcap;
+  if (layer.biased()) {  // the kept entries' stored bias (Y above already includes every entry's)
+    att.bias.resize(kept.size());
+    for (std::size_t k = 0; k < kept.size(); ++k) att.bias[k] = static_cast<double>(ctx.entry_bias(kept[k]));
+  }
   const Vector<Real>& score = ctx.score().size() == n ? ctx.score() : ctx.mass();
   std::vector<Index> free;  // nothing evicted: identity (SPEC §3)
   if (m < n) free = ridge::free_indices(ridge::fixed_mask(kept, n, W, args.sinks, args.beta, score));

@@ -321,10 +321,12 @@ inline float exp_shift_sum(float* x, Index len, float shift) {
 /// tile, `row_max` / `row_sum` are updated online (the old sum rescaled by e^(M_old − M_new)), and
 /// `tile_shift[r]` receives the M_r used for this tile (so a later pass can rescale it by
 /// e^(tile_shift − M_final) / Z). Rows with nothing visible in this tile keep the shift of the
-/// running max (their entries are all 0 anyway). Optional soft-cap before the maximum.
+/// running max (their entries are all 0 anyway). Optional soft-cap before the maximum, then the
+/// optional per-column bias (`bias_len` leading columns get + bias[j], exactly x + b).
 template <class A>
 inline void softmax_tile(float* tile, Index ld, Index rows, Index cols, const Index* live, float softcap_c,
-                         float* row_max, float* row_sum, float* tile_shift) {
+                         float* row_max, float* row_sum, float* tile_shift, const float* bias = nullptr,
+                         Index bias_len = 0) {
   for (Index r = 0; r < rows; ++r) {
     float* x = tile + r * ld;
     const Index len = std::clamp<Index>(live[r], 0, cols);
@@ -334,6 +336,7 @@ inline void softmax_tile(float* tile, Index ld, Index rows, Index cols, const In
       continue;
     }
     if (softcap_c > 0.0f) simd::softcap<A>(x, len, softcap_c);
+    if (bias_len > 0) simd::axpy<A>(1.0f, bias, x, std::min(len, bias_len));  // fma(1, b, x): exactly x + b
     const float mt = simd::max<A>(x, len);
     const float m_old = row_max[r];
     const float m_new = std::max(m_old, mt);

@@ -233,11 +233,12 @@ namespace detail {
 
 /// softmax_tile_t on the CG·L lanes starting at c (CG batches side by side, so each row of the tile is
 /// read CG·L floats at a time: whole cache lines, instead of one batch per row per pass). Lane by lane
-/// the arithmetic is that of CG = 1. Accumulates x − x of every raw logit into `nonfinite`.
-template <class A, int CG>
+/// the arithmetic is that of CG = 1. Accumulates x − x of every raw logit into `nonfinite`. Biased:
+/// key row j < bias_len gets + bias[j] after the soft-cap (exactly x + b).
+template <class A, int CG, bool Biased>
 inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel0, bool masked, const float* last,
                             float softcap_c, float* run_max, float* run_sum, float* shift, fbatch<A>& nonfinite,
-                            const float* tile_max) {
+                            const float* tile_max, const float* bias, Index bias_len) {
   using B = fbatch<A>;
   constexpr Index L = B::size;
   const B ninf(-std::numeric_limits<float>::infinity());
@@ -264,6 +265,12 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
       if (softcap_c > 0.0f) {
         v = B(softcap_c) * xsimd::tanh(v * B(1.0f / softcap_c));
         v.store_unaligned(p + u * L);
+      }
+      if constexpr (Biased) {
+        if (j < bias_len) {
+          v = v + B(bias[j]);
+          v.store_unaligned(p + u * L);
+        }
       }
       if (masked) v = xsimd::select(row_pos <= lastc[u], v, ninf);
       mx[u] = xsimd::max(mx[u], v);
@@ -313,23 +320,33 @@ inline void softmax_lanes_t(float* x, Index ldx, Index count, Index c, Index rel
 /// or ±Inf: the caller's keys or queries were not finite, or the product overflowed.
 /// `tile_max` (optional, Rp floats): the lane maxima of the tile as window_logits_t's tile_max gives
 /// them (NaN for a non-finite logit); used, instead of a pass over the tile, only when neither
-/// `masked` nor the soft-cap applies. Results are the same either way.
+/// `masked`, the soft-cap nor a bias applies. Results are the same either way.
+/// `bias` (optional): key row j < bias_len of the tile gets + bias[j] after the soft-cap (the stored
+/// bias of a view compressed before); a bias-free call runs the unbiased kernel.
 template <class A>
 inline bool softmax_tile_t(float* x, Index ldx, Index count, Index Rp, Index rel0, bool masked, const float* last,
                            float softcap_c, float* run_max, float* run_sum, float* shift,
-                           const float* tile_max = nullptr) {
+                           const float* tile_max = nullptr, const float* bias = nullptr, Index bias_len = 0) {
   using B = fbatch<A>;
   constexpr Index L = B::size;
   constexpr int CG = 4;
-  if (masked || softcap_c > 0.0f || count == 0) tile_max = nullptr;
+  if (bias == nullptr) bias_len = 0;
+  if (masked || softcap_c > 0.0f || bias_len > 0 || count == 0) tile_max = nullptr;
   B nonfinite(0.0f);  // accumulates x − x: 0 for finite x, NaN for NaN and ±Inf
-  Index c = 0;
-  for (; c + CG * L <= Rp; c += CG * L)
-    detail::softmax_lanes_t<A, CG>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite,
-                                   tile_max);
-  for (; c < Rp; c += L)
-    detail::softmax_lanes_t<A, 1>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift, nonfinite,
-                                  tile_max);
+  const auto lanes = [&](auto biased) {
+    constexpr bool Biased = decltype(biased)::value;
+    Index c = 0;
+    for (; c + CG * L <= Rp; c += CG * L)
+      detail::softmax_lanes_t<A, CG, Biased>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift,
+                                             nonfinite, tile_max, bias, bias_len);
+    for (; c < Rp; c += L)
+      detail::softmax_lanes_t<A, 1, Biased>(x, ldx, count, c, rel0, masked, last, softcap_c, run_max, run_sum, shift,
+                                            nonfinite, tile_max, bias, bias_len);
+  };
+  if (bias_len > 0)
+    lanes(std::true_type{});
+  else
+    lanes(std::false_type{});
   return xsimd::all(nonfinite == B(0.0f));
 }
 

@@ -8,7 +8,7 @@
 #include "../examples/synthetic_demo.hpp"
 
 #include <kvcompress/kvcompress.hpp>
-#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
 #include <kvcompress/parallel.hpp>
 #include <kvcompress/simd/kernels.hpp>
 

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "methods.hpp"
-#include "presets_float.hpp"
+#include "presets_compiled.hpp"
 
 #include <memory>
 #include <string>

@@ -1,4 +1,4 @@
-// Every preset instantiated for float caches (see runner.hpp and presets_float.hpp).
+// Every preset instantiated for float caches (see runner.hpp and presets_compiled.hpp).
 #include "runner.hpp"
 
 #define KVC_CLI_INSTANTIATE_FLOAT(Preset) KVC_INSTANTIATE_PIPELINE(float, Preset)

@@ -1,4 +1,4 @@
-// Every preset instantiated for float16 caches (see runner.hpp).
+// The runners for float16 caches (see runner.hpp); their presets come from presets_half.cpp.
 #include "runner.hpp"
 
 namespace kvc::cli {

@@ -5,7 +5,7 @@
 // kvc::error; anything else is a finding and traps: a crash, a sanitizer report, another exception,
 // or a result (or a compact_into / compact_bias_into output) that is not finite from finite input.
 #include <kvcompress/kvcompress.hpp>
-#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
 
 #include <fuzzer/FuzzedDataProvider.h>
 

@@ -7,7 +7,7 @@
 #include "synthetic_demo.hpp"
 
 #include <kvcompress/kvcompress.hpp>
-#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
 
 #include <atomic>
 #include <cstddef>

@@ -10,7 +10,7 @@
 #include <kvcompress/metrics.hpp>
 #include <kvcompress/pipeline.hpp>
 #include <kvcompress/presets.hpp>
-#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
 #include <kvcompress/result.hpp>
 #include <kvcompress/router/bucket_router.hpp>
 #include <kvcompress/scorer/scorers.hpp>

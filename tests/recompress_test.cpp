@@ -9,7 +9,7 @@
 #include <kvcompress/metrics.hpp>
 #include <kvcompress/pipeline.hpp>
 #include <kvcompress/presets.hpp>
-#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
 #include <kvcompress/result.hpp>
 
 #include "support/bridge.hpp"

@@ -3,7 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvcompress/presets.hpp>
-#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
 #include <kvcompress/result.hpp>
 #include <kvcompress/rope.hpp>
 

@@ -8,7 +8,7 @@
 #include "engine/eval.hpp"
 #include "engine/model_path.hpp"
 #include "engine_bridge.hpp"
-#include "presets_float.hpp"  // the float presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
 
 #include <iostream>
 

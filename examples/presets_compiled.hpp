@@ -1,7 +1,8 @@
-// The method table's presets (methods.hpp) for float caches, compiled once: runner_float.cpp
-// instantiates each (KVC_INSTANTIATE_PIPELINE) and a unit that includes this header links to those
-// (target kvc_cli_methods) instead of compiling them again. A unit built with flags of its own (the
-// AVX-512 test copies) defines KVC_COMPILE_PRESETS and compiles them itself.
+// The method table's presets (methods.hpp) for float and float16 caches, compiled once:
+// runner_float.cpp and presets_half.cpp instantiate each (KVC_INSTANTIATE_PIPELINE) and a unit that
+// includes this header links to those (target kvc_cli_methods) instead of compiling them again. A unit
+// built with flags of its own (the AVX-512 test copies) defines KVC_COMPILE_PRESETS and compiles them
+// itself.
 #pragma once
 
 #include <kvcompress/presets.hpp>
@@ -13,6 +14,9 @@
 
 #ifndef KVC_COMPILE_PRESETS
 #define KVC_CLI_EXTERN_FLOAT(Preset) KVC_EXTERN_PIPELINE(float, Preset)
+#define KVC_CLI_EXTERN_HALF(Preset) KVC_EXTERN_PIPELINE(Eigen::half, Preset)
 KVC_CLI_PRESETS(KVC_CLI_EXTERN_FLOAT)
+KVC_CLI_PRESETS(KVC_CLI_EXTERN_HALF)
 #undef KVC_CLI_EXTERN_FLOAT
+#undef KVC_CLI_EXTERN_HALF
 #endif

@@ -8,10 +8,10 @@ function(run)
     message(FATAL_ERROR "command failed (${rc}): ${ARGN}\n${out}\n${err}")
   endif()
 endfunction()
-set(common -DCMAKE_BUILD_TYPE=Release)
+set(common -DCMAKE_BUILD_TYPE=)  # the packaging is under test, not the optimiser: compile at -O0
 if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} -S ${KVC_SOURCE} -B ${WORK}/kvc-build ${common} -DKVC_BUILD_TESTS=OFF
-      -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF -DCMAKE_INSTALL_PREFIX=${WORK}/prefix)
+      -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_PYTHON=OFF -DCMAKE_INSTALL_PREFIX=${WORK}/prefix)
   run(${CMAKE_COMMAND} --install ${WORK}/kvc-build)
   run(${CMAKE_COMMAND} -S ${KVC_SOURCE}/tests/consumer/project -B ${WORK}/build ${common}
       -DCMAKE_PREFIX_PATH=${WORK}/prefix -DKVC_CONSUMER_MODE=find_package)

@@ -1,0 +1,122 @@
+// LagKV's scorer (as kvpress's LagKVPress computes it): each partition of tokens is scored against
+// the next one, by the spread of its keys and values min-max normalised by that next partition.
+#pragma once
+#include "kvcompress/core.hpp"
+#include "kvcompress/policy.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace kvc {
+
+/// LagKV (Liang et al., "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are
+/// Important", 2025), with kvpress's LagKVPress defaults. After the `sinks` first tokens the cache is
+/// cut into partitions P_p = [s + p·L, s + (p+1)·L) of L = `lag` tokens, p = 0..q−1 with
+/// q = ⌊(n − s)/L⌋; partition p < q − 1 is scored against its successor P_{p+1}. For X = K_g, then V_g,
+/// and each channel c:
+///   x̂_{j,c} = (x_{j,c} − min_{i∈P_{p+1}} x_{i,c}) / (max_{i∈P_{p+1}} x_{i,c} − min_{i∈P_{p+1}} x_{i,c})
+///   σ_j = std_c(x̂_{j,·}) (divisor d − 1),   s^X_j = softmax_{j∈P_p}(σ_j)
+///   s_j = (s^K_j + s^V_j) / 2
+///   c_g[j] = rank of s_j among P_p / L    (ascending, ties by position; `rank` on, the default)
+///   c_g[j] = s_j                          (`rank` off: kvpress's cross_scoring)
+/// The sinks and the unscored tail (the last full partition and the < L tokens after it) score 1. A
+/// cache too short for two partitions (n < s + 2L) scores c_g[j] = (j − s)/(n − s) after the sinks, so
+/// the most recent tokens are kept. Decisions where kvpress divides by zero: a channel constant over
+/// the reference partition gives x̂ = 0; d = 1 gives σ = 0. Computed in double. Needs no window
+/// attention. One pass over K_g and V_g: O(n·d), O(L·d) memory.
+struct LagRelative {
+  struct Arguments {
+    Index sinks = 4;   ///< first tokens scored 1 (kvpress n_sink)
+    Index lag = 128;   ///< partition length L (kvpress lag_size)
+    bool rank = true;  ///< score by the rank within the partition (kvpress: cross_scoring = false)
+  };
+  Arguments args;
+
+  Status validate() const {
+    using detail::concat;
+    if (args.sinks < 0)
+      return Status::fail(Status::Code::invalid_argument, concat("scorer.sinks must be >= 0, got ", args.sinks));
+    if (args.lag < 1)
+      return Status::fail(Status::Code::invalid_argument, concat("scorer.lag must be >= 1, got ", args.lag));
+    return Status::ok();
+  }
+
+  /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
+  /// rows [lo + L, lo + 2L). `row(j)` gives row j (d elements); lo_c, hi_c, x are scratch.
+  template <class Row>
+  static void partition_softmax(Row row, Index lo, Index L, Index d, std::vector<double>& min_c,
+                                std::vector<double>& max_c, std::vector<double>& s) {
+    min_c.assign(static_cast<std::size_t>(d), 0.0);
+    max_c.assign(static_cast<std::size_t>(d), 0.0);
+    for (Index i = lo + L; i < lo + 2 * L; ++i) {
+      const auto* x = row(i);
+      for (Index c = 0; c < d; ++c) {
+        const double v = to_real<double>(x[c]);
+        const std::size_t k = static_cast<std::size_t>(c);
+        if (i == lo + L || v < min_c[k]) min_c[k] = v;
+        if (i == lo + L || v > max_c[k]) max_c[k] = v;
+      }
+    }
+    double top = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < L; ++j) {
+      const auto* x = row(lo + j);
+      double sum = 0, sum2 = 0;
+      for (Index c = 0; c < d; ++c) {
+        const std::size_t k = static_cast<std::size_t>(c);
+        const double range = max_c[k] - min_c[k];
+        const double v = range == 0.0 ? 0.0 : (to_real<double>(x[c]) - min_c[k]) / range;
+        sum += v;
+        sum2 += v * v;
+      }
+      double sigma = 0;
+      if (d > 1) {
+        const double mean = sum / static_cast<double>(d);
+        sigma = std::sqrt(std::max(0.0, (sum2 - sum * mean) / static_cast<double>(d - 1)));
+      }
+      s[static_cast<std::size_t>(j)] = sigma;
+      top = std::max(top, sigma);
+    }
+    double z = 0;
+    for (Index j = 0; j < L; ++j) z += (s[static_cast<std::size_t>(j)] = std::exp(s[static_cast<std::size_t>(j)] - top));
+    for (Index j = 0; j < L; ++j) s[static_cast<std::size_t>(j)] /= z;
+  }
+
+  template <class T>
+  void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
+    using Real = compute_t<T>;
+    const Index n = ctx.tokens(), d = ctx.head_dim(), S = std::min(args.sinks, n), L = args.lag;
+    out.setOnes(n);  // the sinks and the tail
+    if (n - S < 2 * L) {
+      for (Index j = S; j < n; ++j) out[j] = static_cast<Real>(static_cast<double>(j - S) / static_cast<double>(n - S));
+      return;
+    }
+    const Index q = (n - S) / L;
+    std::vector<double> min_c, max_c, key_s(static_cast<std::size_t>(L)), value_s(static_cast<std::size_t>(L));
+    std::vector<Index> order(static_cast<std::size_t>(L));
+    for (Index p = 0; p + 1 < q; ++p) {
+      const Index lo = S + p * L;
+      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, min_c, max_c, key_s);
+      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, min_c, max_c, value_s);
+      for (Index j = 0; j < L; ++j) key_s[static_cast<std::size_t>(j)] = (key_s[static_cast<std::size_t>(j)] + value_s[static_cast<std::size_t>(j)]) / 2;
+      if (!args.rank) {
+        for (Index j = 0; j < L; ++j) out[lo + j] = static_cast<Real>(key_s[static_cast<std::size_t>(j)]);
+        continue;
+      }
+      std::iota(order.begin(), order.end(), Index(0));
+      // Ascending score, ties (and NaN, placed first) by position: a strict weak order.
+      std::sort(order.begin(), order.end(), [&](Index a, Index b) {
+        const double x = key_s[static_cast<std::size_t>(a)], y = key_s[static_cast<std::size_t>(b)];
+        const bool x_nan = x != x, y_nan = y != y;
+        if (x_nan || y_nan) return x_nan == y_nan ? a < b : x_nan;
+        return x < y || (x == y && a < b);
+      });
+      for (Index r = 0; r < L; ++r)
+        out[lo + order[static_cast<std::size_t>(r)]] = static_cast<Real>(static_cast<double>(r) / static_cast<double>(L));
+    }
+  }
+};
+
+}  // namespace kvc

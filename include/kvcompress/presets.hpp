@@ -53,8 +53,8 @@ using KeyDiff = Pipeline<KeyDiversity, TopK<>, NoRoute, Drop, NoCompensation>;
 /// per KV head; the scorer gives its 4 sinks the top score.
 using CUR = Pipeline<LocalLeverage, TopK<>, NoRoute, Drop, NoCompensation>;
 
-/// LagKV: each 128-token partition ranked against the next one, per KV head; the scorer gives its
-/// 4 sinks and the tail the top score.
+/// LagKV: each 128-token partition ranked against the next one, per KV head; the scorer ranks its
+/// 4 sinks, then the unscored tail (newest first), above every partition.
 using LagKV = Pipeline<LagRelative, TopK<>, NoRoute, Drop, NoCompensation>;
 
 /// ChunkKV over SnapKV: SnapKV's scores, pooling and recent window, then whole 20-token chunks by

@@ -112,7 +112,7 @@ TEST_CASE("LocalLeverage: invariant to scaling the keys or the values of one win
   CHECK(kvc::test::elementwise_ratio(sb, sa, kTol.float_vs_double.mass) <= 1.0);
 }
 
-TEST_CASE("LagRelative (LagKV) scores: partitions against their successor, sinks and tail at 1", "[scorer]") {
+TEST_CASE("LagRelative (LagKV) scores: partitions against their successor, then the sinks and the tail", "[scorer]") {
   STATIC_REQUIRE_FALSE(policy_traits<LagRelative>::needs_mass);
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(313);
@@ -150,8 +150,8 @@ TEST_CASE("LagRelative: ranks are a permutation per partition; invariant to per-
     std::sort(ranks.begin(), ranks.end());
     for (long r = 0; r < L; ++r) CHECK(ranks[static_cast<std::size_t>(r)] == double(r) / double(L));
   }
-  for (long j = 0; j < s; ++j) CHECK(got(0, j) == 1.0);
-  for (long j = s + 3 * L; j < n; ++j) CHECK(got(0, j) == 1.0);
+  for (long j = 0; j < s; ++j) CHECK(got(0, j) == 2.0);  // the sinks first, then the tail, newest first
+  for (long j = s + 3 * L; j < n; ++j) CHECK(got(0, j) == 1.0 + double(j - s - 3 * L) / double(n - s - 3 * L));
   // x_{j,c} → a_c·x_{j,c} + b_c with a_c > 0 leaves every x̂, hence every score, unchanged.
   std::uniform_real_distribution<double> scale(0.1, 10.0), shift(-5.0, 5.0);
   ref::Tensor3 K2 = K, V2 = V;
@@ -201,6 +201,10 @@ TEST_CASE("CUR and LagKV presets select like the reference", "[scorer][pipeline]
       CHECK(kvc::test::to_long(lag.heads[g].positions) == want_lag[g]);
     }
   }
+  // A budget below the sinks and the tail: the sinks, then the newest tokens.
+  const auto newest = LagKV{}.run(b.view(), Budget::tokens(10));
+  for (long g = 0; g < Hkv; ++g)
+    CHECK(kvc::test::to_long(newest.heads[g].positions) == std::vector<long>{0, 1, 2, 3, 294, 295, 296, 297, 298, 299});
   // A layer shorter than the window (W > n) and than two partitions: the sinks, then the newest tokens.
   ref::Tensor3 Ks(Hkv, 20, d), Vs(Hkv, 20, d);
   for (long g = 0; g < Hkv; ++g)

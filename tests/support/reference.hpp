@@ -255,10 +255,11 @@ inline Eigen::MatrixXd local_leverage(const Tensor3& K, const Tensor3& V, long s
 /// Else partitions P_p = [s + p·L, s + (p+1)·L), p < q = ⌊(n − s)/L⌋; for p < q − 1 and X = K, V:
 /// x̂_{j,c} = (x_{j,c} − min_{P_{p+1}} x_{·,c}) / (max − min) (0 when max = min),
 /// σ_j = sample std over c (0 when d = 1), s^X = softmax over P_p of σ; s_j = (s^K_j + s^V_j)/2;
-/// c[j] = s_j, or with `rank` #{i ∈ P_p: s_i < s_j or (s_i = s_j and i < j)} / L. The rest scores 1.
+/// c[j] = s_j, or with `rank` #{i ∈ P_p: s_i < s_j or (s_i = s_j and i < j)} / L. The sinks score 2,
+/// the tail [t, n), t = s + (q − 1)·L, scores 1 + (j − t)/(n − t).
 inline Eigen::MatrixXd lag_relative(const Tensor3& K, const Tensor3& V, long sinks, long lag, bool rank) {
   const long n = K.n, d = K.d, s = std::min(sinks, n), L = lag;
-  Eigen::MatrixXd c = Eigen::MatrixXd::Ones(K.H, n);  // (Hkv,n)
+  Eigen::MatrixXd c(K.H, n);  // (Hkv,n)
   auto spread_softmax = [&](const Tensor3& X, long g, long lo) {
     std::vector<double> sigma(static_cast<std::size_t>(L));
     for (long j = lo; j < lo + L; ++j) {
@@ -280,10 +281,12 @@ inline Eigen::MatrixXd lag_relative(const Tensor3& K, const Tensor3& V, long sin
   };
   for (long g = 0; g < K.H; ++g) {
     if (n - s < 2 * L) {
-      for (long j = s; j < n; ++j) c(g, j) = static_cast<double>(j - s) / static_cast<double>(n - s);
+      for (long j = 0; j < n; ++j) c(g, j) = j < s ? 1.0 : static_cast<double>(j - s) / static_cast<double>(n - s);
       continue;
     }
-    const long q = (n - s) / L;
+    const long q = (n - s) / L, t = s + (q - 1) * L;
+    for (long j = 0; j < s; ++j) c(g, j) = 2.0;
+    for (long j = t; j < n; ++j) c(g, j) = 1.0 + static_cast<double>(j - t) / static_cast<double>(n - t);
     for (long p = 0; p + 1 < q; ++p) {
       const long lo = s + p * L;
       const std::vector<double> sk = spread_softmax(K, g, lo), sv = spread_softmax(V, g, lo);

@@ -22,9 +22,12 @@ namespace kvc {
 ///   s_j = (s^K_j + s^V_j) / 2
 ///   c_g[j] = rank of s_j among P_p / L    (ascending, ties by position; `rank` on, the default)
 ///   c_g[j] = s_j                          (`rank` off: kvpress's cross_scoring)
-/// The sinks and the unscored tail (the last full partition and the < L tokens after it) score 1. A
-/// cache too short for two partitions (n < s + 2L) scores c_g[j] = (j − s)/(n − s) after the sinks, so
-/// the most recent tokens are kept. Decisions where kvpress divides by zero: a channel constant over
+/// kvpress scores the sinks and the unscored tail T = [s + (q−1)·L, n) (the last full partition and the
+/// < L tokens after it) 1, leaving ties among them to torch's top-k; here the order among them is
+/// fixed, sinks first, then the newest tail tokens: c_g[j] = 2 (j < s), 1 + (j − t)/(n − t) (j ∈ T,
+/// t = s + (q−1)·L), above every partition score (< 1). A cache too short for two partitions
+/// (n < s + 2L) scores 1 for the sinks and c_g[j] = (j − s)/(n − s) after them, as kvpress, which
+/// keeps the newest tokens too. Decisions where kvpress divides by zero: a channel constant over
 /// the reference partition gives x̂ = 0; d = 1 gives σ = 0. Computed in double. Needs no window
 /// attention. One pass over K_g and V_g: O(n·d), O(L·d) memory.
 struct LagRelative {
@@ -88,12 +91,15 @@ struct LagRelative {
   void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
     using Real = compute_t<T>;
     const Index n = ctx.tokens(), d = ctx.head_dim(), S = std::min(args.sinks, n), L = args.lag;
-    out.setOnes(n);  // the sinks and the tail
+    out.resize(n);
     if (n - S < 2 * L) {
+      for (Index j = 0; j < S; ++j) out[j] = Real(1);
       for (Index j = S; j < n; ++j) out[j] = static_cast<Real>(static_cast<double>(j - S) / static_cast<double>(n - S));
       return;
     }
-    const Index q = (n - S) / L;
+    const Index q = (n - S) / L, t = S + (q - 1) * L;  // the tail T = [t, n)
+    for (Index j = 0; j < S; ++j) out[j] = Real(2);
+    for (Index j = t; j < n; ++j) out[j] = static_cast<Real>(1.0 + static_cast<double>(j - t) / static_cast<double>(n - t));
     std::vector<double> min_c, max_c, key_s(static_cast<std::size_t>(L)), value_s(static_cast<std::size_t>(L));
     std::vector<Index> order(static_cast<std::size_t>(L));
     for (Index p = 0; p + 1 < q; ++p) {

@@ -48,29 +48,36 @@ struct LagRelative {
   }
 
   /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
-  /// rows [lo + L, lo + 2L). `row(j)` gives row j (d elements); lo_c, hi_c, x are scratch.
+  /// rows [lo + L, lo + 2L). `row(j)` gives row j (d elements); shift, scale and x are scratch (d).
   template <class Row>
-  static void partition_softmax(Row row, Index lo, Index L, Index d, std::vector<double>& min_c,
-                                std::vector<double>& max_c, std::vector<double>& s) {
-    min_c.assign(static_cast<std::size_t>(d), 0.0);
-    max_c.assign(static_cast<std::size_t>(d), 0.0);
-    for (Index i = lo + L; i < lo + 2 * L; ++i) {
-      const auto* x = row(i);
+  static void partition_softmax(Row row, Index lo, Index L, Index d, std::vector<double>& shift,
+                                std::vector<double>& scale, std::vector<double>& x, std::vector<double>& s) {
+    shift.resize(static_cast<std::size_t>(d));
+    scale.resize(static_cast<std::size_t>(d));
+    x.resize(static_cast<std::size_t>(d));
+    for (Index c = 0; c < d; ++c) shift[static_cast<std::size_t>(c)] = scale[static_cast<std::size_t>(c)] = to_real<double>(row(lo + L)[c]);
+    for (Index i = lo + L + 1; i < lo + 2 * L; ++i) {  // shift <- min, scale <- max over the reference rows
+      const auto* r = row(i);
       for (Index c = 0; c < d; ++c) {
-        const double v = to_real<double>(x[c]);
+        const double v = to_real<double>(r[c]);
         const std::size_t k = static_cast<std::size_t>(c);
-        if (i == lo + L || v < min_c[k]) min_c[k] = v;
-        if (i == lo + L || v > max_c[k]) max_c[k] = v;
+        shift[k] = std::min(shift[k], v);
+        scale[k] = std::max(scale[k], v);
       }
+    }
+    for (Index c = 0; c < d; ++c) {  // scale <- 1 / (max − min), 0 for a constant channel (x̂ = 0)
+      const std::size_t k = static_cast<std::size_t>(c);
+      const double range = scale[k] - shift[k];
+      scale[k] = range == 0.0 ? 0.0 : 1.0 / range;
     }
     double top = -std::numeric_limits<double>::infinity();
     for (Index j = 0; j < L; ++j) {
-      const auto* x = row(lo + j);
+      const auto* r = row(lo + j);
+      for (Index c = 0; c < d; ++c) x[static_cast<std::size_t>(c)] = to_real<double>(r[c]);
       double sum = 0, sum2 = 0;
       for (Index c = 0; c < d; ++c) {
         const std::size_t k = static_cast<std::size_t>(c);
-        const double range = max_c[k] - min_c[k];
-        const double v = range == 0.0 ? 0.0 : (to_real<double>(x[c]) - min_c[k]) / range;
+        const double v = (x[k] - shift[k]) * scale[k];
         sum += v;
         sum2 += v * v;
       }
@@ -100,12 +107,12 @@ struct LagRelative {
     const Index q = (n - S) / L, t = S + (q - 1) * L;  // the tail T = [t, n)
     for (Index j = 0; j < S; ++j) out[j] = Real(2);
     for (Index j = t; j < n; ++j) out[j] = static_cast<Real>(1.0 + static_cast<double>(j - t) / static_cast<double>(n - t));
-    std::vector<double> min_c, max_c, key_s(static_cast<std::size_t>(L)), value_s(static_cast<std::size_t>(L));
+    std::vector<double> shift, scale, x, key_s(static_cast<std::size_t>(L)), value_s(static_cast<std::size_t>(L));
     std::vector<Index> order(static_cast<std::size_t>(L));
     for (Index p = 0; p + 1 < q; ++p) {
       const Index lo = S + p * L;
-      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, min_c, max_c, key_s);
-      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, min_c, max_c, value_s);
+      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, shift, scale, x, key_s);
+      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, shift, scale, x, value_s);
       for (Index j = 0; j < L; ++j) key_s[static_cast<std::size_t>(j)] = (key_s[static_cast<std::size_t>(j)] + value_s[static_cast<std::size_t>(j)]) / 2;
       if (!args.rank) {
         for (Index j = 0; j < L; ++j) out[lo + j] = static_cast<Real>(key_s[static_cast<std::size_t>(j)]);
@@ -114,10 +121,10 @@ struct LagRelative {
       std::iota(order.begin(), order.end(), Index(0));
       // Ascending score, ties (and NaN, placed first) by position: a strict weak order.
       std::sort(order.begin(), order.end(), [&](Index a, Index b) {
-        const double x = key_s[static_cast<std::size_t>(a)], y = key_s[static_cast<std::size_t>(b)];
-        const bool x_nan = x != x, y_nan = y != y;
-        if (x_nan || y_nan) return x_nan == y_nan ? a < b : x_nan;
-        return x < y || (x == y && a < b);
+        const double sa = key_s[static_cast<std::size_t>(a)], sb = key_s[static_cast<std::size_t>(b)];
+        const bool a_nan = sa != sa, b_nan = sb != sb;
+        if (a_nan || b_nan) return a_nan == b_nan ? a < b : a_nan;
+        return sa < sb || (sa == sb && a < b);
       });
       for (Index r = 0; r < L; ++r)
         out[lo + order[static_cast<std::size_t>(r)]] = static_cast<Real>(static_cast<double>(r) / static_cast<double>(L));

@@ -269,6 +269,27 @@ void BM_Select(benchmark::State& state) {
   set_layer_counters(state, n, total / double(state.iterations()));
 }
 
+/// ChunkKV's selection (TopChunks: recent 32, pool 5, 20-token chunks, shared) on SelKV's scores of
+/// the benchmark layer, budget n/4.
+void BM_SelectChunks(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const std::vector<Vector<float>>& scores = selkv_scores(n).score;
+  const std::vector<Index> budgets(layer.kv_heads(), n / 4);
+  TopChunks<20, 0, 32, 5> sel;
+  double total = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    Selection<float> out;
+    sel.select(scores, budgets, out);
+    const double t = thread_seconds() - t0;
+    benchmark::DoNotOptimize(out.kept.data());
+    total += t;
+    state.SetIterationTime(t);
+  }
+  set_layer_counters(state, n, total / double(state.iterations()));
+}
+
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
 /// all KV heads, with the selection and mass computed once outside the timing and one set of output
 /// buffers per head, allocated and written before the timing and reused by every iteration, after
@@ -341,9 +362,12 @@ BENCHMARK(BM_ProductStreamOverlap)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowProbabilities)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::ValueWeighted)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::KeyNorm)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Score, kvc::LocalLeverage)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Score, kvc::LagRelative)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::per_head)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared, true)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_SelectChunks)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_RouteMergeCompensate)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_ValidateLayer)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_StreamSum)->Apply(kvc::bench::layer_sizes);

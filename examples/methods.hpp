@@ -26,7 +26,8 @@ using Compressor = std::function<LayerResult<float>(const LayerView<float>&, con
 inline const std::vector<std::string>& method_names() {
   static const std::vector<std::string> names = {"full",           "streaming", "snapkv", "selkv-evict", "selkv",
                                                  "selkv-mergeall", "knorm",     "tova",   "keydiff",     "adakv-snapkv",
-                                                 "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming"};
+                                                 "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming",
+                                                 "cur",            "lagkv",     "chunkkv"};
   return names;
 }
 
@@ -132,6 +133,9 @@ auto visit_method(const std::string& name, F&& f) {
   if (name == "knorm") return f(PresetTag<KNorm>{});
   if (name == "tova") return f(PresetTag<TOVA>{});
   if (name == "keydiff") return f(PresetTag<KeyDiff>{});
+  if (name == "cur") return f(PresetTag<CUR>{});
+  if (name == "lagkv") return f(PresetTag<LagKV>{});
+  if (name == "chunkkv") return f(PresetTag<ChunkKV>{});
   if (name == "adakv-snapkv") return f(PresetTag<AdaKVSnapKV>{});
   if (name == "adakv-selkv") return f(PresetTag<AdaKVSelKV>{});
   if (name == "grkv") return f(PresetTag<SnapKVGRKV>{});

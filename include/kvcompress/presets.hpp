@@ -2,6 +2,7 @@
 // TopK / BucketRouter is that method's default; all of them stay adjustable through Arguments.
 //
 //   TopK<sinks, recent, avg-pool kernel, granularity>      BucketRouter<bucket, statistic>
+//   TopChunks<chunk, sinks, recent, avg-pool kernel, granularity>
 #pragma once
 #include "kvcompress/compensator/compensators.hpp"
 #include "kvcompress/merger/gated_merge.hpp"
@@ -9,8 +10,11 @@
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/router/bucket_router.hpp"
 #include "kvcompress/scorer/key_diversity.hpp"
+#include "kvcompress/scorer/lag_relative.hpp"
 #include "kvcompress/scorer/last_query_attention.hpp"
+#include "kvcompress/scorer/local_leverage.hpp"
 #include "kvcompress/scorer/scorers.hpp"
+#include "kvcompress/selector/top_chunks.hpp"
 #include "kvcompress/selector/top_k.hpp"
 
 namespace kvc {
@@ -44,6 +48,18 @@ using TOVA = Pipeline<LastQueryAttention, TopK<0, 1, 0>, NoRoute, Drop, NoCompen
 
 /// KeyDiff: keep the keys least similar to the head's mean key direction, per KV head.
 using KeyDiff = Pipeline<KeyDiversity, TopK<>, NoRoute, Drop, NoCompensation>;
+
+/// CUR (CurDKV as kvpress computes it): key × value squared norms normalised in 16-token windows,
+/// per KV head; the scorer gives its 4 sinks the top score.
+using CUR = Pipeline<LocalLeverage, TopK<>, NoRoute, Drop, NoCompensation>;
+
+/// LagKV: each 128-token partition ranked against the next one, per KV head; the scorer ranks its
+/// 4 sinks, then the unscored tail (newest first), above every partition.
+using LagKV = Pipeline<LagRelative, TopK<>, NoRoute, Drop, NoCompensation>;
+
+/// ChunkKV over SnapKV: SnapKV's scores, pooling and recent window, then whole 20-token chunks by
+/// their mean score, the same positions for every KV head.
+using ChunkKV = Pipeline<AttentionMass, TopChunks<20, 0, 32, 5>, NoRoute, Drop, NoCompensation>;
 
 /// AdaKV over SnapKV: the layer's Hkv·m entries shared out by one top-k over every head's window
 /// mass (each head keeps at least a fifth of m), then SnapKV's selection per head.

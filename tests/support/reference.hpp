@@ -231,6 +231,88 @@ inline Eigen::MatrixXd key_diversity(const Tensor3& K) {
   return c;
 }
 
+/// CUR (CurDKV, kvpress CURPress defaults): κ_j = ‖k_j‖², ν_j = ‖v_j‖², each divided by its sum over
+/// the window [⌊j/w⌋·w, min(⌊j/w⌋·w + w, n)) (0 when that sum is 0), p_j = κ̂_j·ν̂_j,
+/// c_g[j] = p_j / Σ_i p_i (0 when the sum is 0); c_g[j] = 1 for j < sinks.
+inline Eigen::MatrixXd local_leverage(const Tensor3& K, const Tensor3& V, long sinks, long window) {
+  Eigen::MatrixXd c(K.H, K.n);  // (Hkv,n)
+  for (long g = 0; g < K.H; ++g) {
+    std::vector<double> p(static_cast<std::size_t>(K.n));
+    for (long j = 0; j < K.n; ++j) {
+      const long start = (j / window) * window, end = std::min(start + window, K.n);
+      double key_sum = 0.0, value_sum = 0.0;
+      for (long i = start; i < end; ++i) {
+        key_sum += dot(K.vec(g, i), K.vec(g, i), K.d);
+        value_sum += dot(V.vec(g, i), V.vec(g, i), V.d);
+      }
+      const double kappa = key_sum > 0.0 ? dot(K.vec(g, j), K.vec(g, j), K.d) / key_sum : 0.0;
+      const double nu = value_sum > 0.0 ? dot(V.vec(g, j), V.vec(g, j), V.d) / value_sum : 0.0;
+      p[static_cast<std::size_t>(j)] = kappa * nu;
+    }
+    double total = 0.0;
+    for (double x : p) total += x;
+    for (long j = 0; j < K.n; ++j) c(g, j) = j < sinks ? 1.0 : (total > 0.0 ? p[static_cast<std::size_t>(j)] / total : 0.0);
+  }
+  return c;
+}
+
+/// LagKV (kvpress LagKVPress): s = min(sinks, n); n − s < 2L: c[j] = 1 (j < s), (j − s)/(n − s) after.
+/// Else partitions P_p = [s + p·L, s + (p+1)·L), p < q = ⌊(n − s)/L⌋; for p < q − 1 and X = K, V:
+/// x̂_{j,c} = (x_{j,c} − min_{P_{p+1}} x_{·,c}) / (max − min) (0 when max = min),
+/// σ_j = sample std over c (0 when d = 1), s^X = softmax over P_p of σ; s_j = (s^K_j + s^V_j)/2;
+/// c[j] = s_j, or with `rank` #{i ∈ P_p: s_i < s_j or (s_i = s_j and i < j)} / L. The sinks score 2,
+/// the tail [t, n), t = s + (q − 1)·L, scores 1 + (j − t)/(n − t).
+inline Eigen::MatrixXd lag_relative(const Tensor3& K, const Tensor3& V, long sinks, long lag, bool rank) {
+  const long n = K.n, d = K.d, s = std::min(sinks, n), L = lag;
+  Eigen::MatrixXd c(K.H, n);  // (Hkv,n)
+  auto spread_softmax = [&](const Tensor3& X, long g, long lo) {
+    std::vector<double> sigma(static_cast<std::size_t>(L));
+    for (long j = lo; j < lo + L; ++j) {
+      std::vector<double> xhat(static_cast<std::size_t>(d));
+      for (long k = 0; k < d; ++k) {
+        double mn = X.at(g, lo + L, k), mx = mn;
+        for (long i = lo + L; i < lo + 2 * L; ++i) {
+          mn = std::min(mn, X.at(g, i, k));
+          mx = std::max(mx, X.at(g, i, k));
+        }
+        xhat[static_cast<std::size_t>(k)] = mx > mn ? (X.at(g, j, k) - mn) / (mx - mn) : 0.0;
+      }
+      double mean = 0.0, var = 0.0;
+      for (double x : xhat) mean += x / static_cast<double>(d);
+      for (double x : xhat) var += (x - mean) * (x - mean);
+      sigma[static_cast<std::size_t>(j - lo)] = d > 1 ? std::sqrt(var / static_cast<double>(d - 1)) : 0.0;
+    }
+    return softmax(sigma);
+  };
+  for (long g = 0; g < K.H; ++g) {
+    if (n - s < 2 * L) {
+      for (long j = 0; j < n; ++j) c(g, j) = j < s ? 1.0 : static_cast<double>(j - s) / static_cast<double>(n - s);
+      continue;
+    }
+    const long q = (n - s) / L, t = s + (q - 1) * L;
+    for (long j = 0; j < s; ++j) c(g, j) = 2.0;
+    for (long j = t; j < n; ++j) c(g, j) = 1.0 + static_cast<double>(j - t) / static_cast<double>(n - t);
+    for (long p = 0; p + 1 < q; ++p) {
+      const long lo = s + p * L;
+      const std::vector<double> sk = spread_softmax(K, g, lo), sv = spread_softmax(V, g, lo);
+      for (long j = 0; j < L; ++j) {
+        const double sj = (sk[static_cast<std::size_t>(j)] + sv[static_cast<std::size_t>(j)]) / 2.0;
+        if (!rank) {
+          c(g, lo + j) = sj;
+          continue;
+        }
+        long below = 0;
+        for (long i = 0; i < L; ++i) {
+          const double si = (sk[static_cast<std::size_t>(i)] + sv[static_cast<std::size_t>(i)]) / 2.0;
+          below += (si < sj || (si == sj && i < j)) ? 1 : 0;
+        }
+        c(g, lo + j) = static_cast<double>(below) / static_cast<double>(L);
+      }
+    }
+  }
+  return c;
+}
+
 /// Position (StreamingLLM): c_g[j] = j, so the top-by-score candidates are the most recent tokens.
 inline Eigen::MatrixXd position(long Hkv, long n) {
   Eigen::MatrixXd c(Hkv, n);  // (Hkv,n)
@@ -378,6 +460,71 @@ inline std::vector<std::vector<long>> select(const Eigen::MatrixXd& scores, std:
   std::vector<long> out = forced_of(f);
   for (long j : top_k(mean, std::vector<long>(proposals.begin(), proposals.end()), m_prime)) out.push_back(j);
   std::sort(out.begin(), out.end());
+  for (auto& v : kept) v = out;
+  return kept;
+}
+
+/// ChunkKV selection (kvpress ChunkKVPress, with the forced tokens and pooling of SPEC §3–§4): per head
+/// (or, shared, on the mean over heads of the pooled scores) the forced tokens, then the region
+/// [s_f, n − r_f) in chunks [s_f + b·c, min(s_f + (b+1)·c, n − r_f)) ranked by their mean pooled score
+/// (higher first, ties to the lower b); each chunk is kept whole if it fits in the budget left; what
+/// is left then goes to the best single tokens not kept (§5 order). m >= n keeps every position.
+inline std::vector<std::vector<long>> select_chunks(const Eigen::MatrixXd& scores, std::vector<long> m_per_head,
+                                                    long sinks, long recent, long pool_kernel, long chunk,
+                                                    bool shared) {
+  const long Hkv = scores.rows(), n = scores.cols();
+  require(Hkv > 0 && n > 0 && chunk > 0, "empty score matrix or chunk < 1");
+  auto keep = [&](const std::vector<double>& score, long m) {
+    std::vector<long> out;
+    if (m >= n) {
+      for (long j = 0; j < n; ++j) out.push_back(j);
+      return out;
+    }
+    const Forced f = forced_counts(n, m, sinks, recent);
+    const long lo = f.sinks, hi = n - f.recent;
+    std::vector<char> kept(static_cast<std::size_t>(n), 0);
+    for (long j = 0; j < n; ++j) kept[static_cast<std::size_t>(j)] = (j < lo || j >= hi) ? 1 : 0;
+    std::vector<double> chunk_mean;
+    std::vector<long> chunks;
+    for (long a = lo, b = 0; a < hi; a += chunk, ++b) {
+      double sum = 0.0;
+      for (long j = a; j < std::min(hi, a + chunk); ++j) sum += score[static_cast<std::size_t>(j)];
+      chunk_mean.push_back(sum / static_cast<double>(std::min(hi, a + chunk) - a));
+      chunks.push_back(b);
+    }
+    long left = m - f.sinks - f.recent;
+    for (long b : top_k(chunk_mean, chunks, static_cast<long>(chunks.size()))) {
+      const long a = lo + b * chunk, e = std::min(hi, a + chunk);
+      if (e - a > left) continue;
+      for (long j = a; j < e; ++j) kept[static_cast<std::size_t>(j)] = 1;
+      left -= e - a;
+    }
+    std::vector<long> rest;
+    for (long j = lo; j < hi; ++j)
+      if (!kept[static_cast<std::size_t>(j)]) rest.push_back(j);
+    for (long j : top_k(score, rest, left)) kept[static_cast<std::size_t>(j)] = 1;
+    for (long j = 0; j < n; ++j)
+      if (kept[static_cast<std::size_t>(j)]) out.push_back(j);
+    return out;
+  };
+  std::vector<std::vector<long>> kept(static_cast<std::size_t>(Hkv));
+  if (!shared) {
+    for (long h = 0; h < Hkv; ++h) {
+      const long m = m_per_head[static_cast<std::size_t>(h)];
+      const Forced f = forced_counts(n, m, sinks, recent);
+      kept[static_cast<std::size_t>(h)] = keep(pool(row_vector(scores, h), n, f.sinks, f.recent, pool_kernel, false), m);
+    }
+    return kept;
+  }
+  const long m = m_per_head[0];
+  for (long mh : m_per_head) require(mh == m, "shared selection needs equal budgets on all heads");
+  const Forced f = forced_counts(n, m, sinks, recent);
+  std::vector<double> mean(static_cast<std::size_t>(n), 0.0);
+  for (long h = 0; h < Hkv; ++h) {
+    const std::vector<double> pooled = pool(row_vector(scores, h), n, f.sinks, f.recent, pool_kernel, false);
+    for (long j = 0; j < n; ++j) mean[static_cast<std::size_t>(j)] += pooled[static_cast<std::size_t>(j)] / static_cast<double>(Hkv);
+  }
+  const std::vector<long> out = keep(mean, m);
   for (auto& v : kept) v = out;
   return kept;
 }

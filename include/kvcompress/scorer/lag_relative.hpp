@@ -1,0 +1,135 @@
+// LagKV's scorer (as kvpress's LagKVPress computes it): each partition of tokens is scored against
+// the next one, by the spread of its keys and values min-max normalised by that next partition.
+#pragma once
+#include "kvcompress/core.hpp"
+#include "kvcompress/policy.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace kvc {
+
+/// LagKV (Liang et al., "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are
+/// Important", 2025), with kvpress's LagKVPress defaults. After the `sinks` first tokens the cache is
+/// cut into partitions P_p = [s + p·L, s + (p+1)·L) of L = `lag` tokens, p = 0..q−1 with
+/// q = ⌊(n − s)/L⌋; partition p < q − 1 is scored against its successor P_{p+1}. For X = K_g, then V_g,
+/// and each channel c:
+///   x̂_{j,c} = (x_{j,c} − min_{i∈P_{p+1}} x_{i,c}) / (max_{i∈P_{p+1}} x_{i,c} − min_{i∈P_{p+1}} x_{i,c})
+///   σ_j = std_c(x̂_{j,·}) (divisor d − 1),   s^X_j = softmax_{j∈P_p}(σ_j)
+///   s_j = (s^K_j + s^V_j) / 2
+///   c_g[j] = rank of s_j among P_p / L    (ascending, ties by position; `rank` on, the default)
+///   c_g[j] = s_j                          (`rank` off: kvpress's cross_scoring)
+/// kvpress scores the sinks and the unscored tail T = [s + (q−1)·L, n) (the last full partition and the
+/// < L tokens after it) 1, leaving ties among them to torch's top-k; here the order among them is
+/// fixed, sinks first, then the newest tail tokens: c_g[j] = 2 (j < s), 1 + (j − t)/(n − t) (j ∈ T,
+/// t = s + (q−1)·L), above every partition score (< 1). A cache too short for two partitions
+/// (n < s + 2L) scores 1 for the sinks and c_g[j] = (j − s)/(n − s) after them, as kvpress, which
+/// keeps the newest tokens too. Decisions where kvpress divides by zero: a channel constant over
+/// the reference partition gives x̂ = 0; d = 1 gives σ = 0. Computed in double. Needs no window
+/// attention. One pass over K_g and V_g: O(n·d), O(L·d) memory.
+struct LagRelative {
+  struct Arguments {
+    Index sinks = 4;   ///< first tokens scored 1 (kvpress n_sink)
+    Index lag = 128;   ///< partition length L (kvpress lag_size)
+    bool rank = true;  ///< score by the rank within the partition (kvpress: cross_scoring = false)
+  };
+  Arguments args;
+
+  Status validate() const {
+    using detail::concat;
+    if (args.sinks < 0)
+      return Status::fail(Status::Code::invalid_argument, concat("scorer.sinks must be >= 0, got ", args.sinks));
+    if (args.lag < 1)
+      return Status::fail(Status::Code::invalid_argument, concat("scorer.lag must be >= 1, got ", args.lag));
+    return Status::ok();
+  }
+
+  /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
+  /// rows [lo + L, lo + 2L). `row(j)` gives row j (d elements); shift, scale and x are scratch (d).
+  template <class Row>
+  static void partition_softmax(Row row, Index lo, Index L, Index d, std::vector<double>& shift,
+                                std::vector<double>& scale, std::vector<double>& x, std::vector<double>& s) {
+    shift.resize(static_cast<std::size_t>(d));
+    scale.resize(static_cast<std::size_t>(d));
+    x.resize(static_cast<std::size_t>(d));
+    for (Index c = 0; c < d; ++c) shift[static_cast<std::size_t>(c)] = scale[static_cast<std::size_t>(c)] = to_real<double>(row(lo + L)[c]);
+    for (Index i = lo + L + 1; i < lo + 2 * L; ++i) {  // shift <- min, scale <- max over the reference rows
+      const auto* r = row(i);
+      for (Index c = 0; c < d; ++c) {
+        const double v = to_real<double>(r[c]);
+        const std::size_t k = static_cast<std::size_t>(c);
+        shift[k] = std::min(shift[k], v);
+        scale[k] = std::max(scale[k], v);
+      }
+    }
+    for (Index c = 0; c < d; ++c) {  // scale <- 1 / (max − min), 0 for a constant channel (x̂ = 0)
+      const std::size_t k = static_cast<std::size_t>(c);
+      const double range = scale[k] - shift[k];
+      scale[k] = range == 0.0 ? 0.0 : 1.0 / range;
+    }
+    double top = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < L; ++j) {
+      const auto* r = row(lo + j);
+      for (Index c = 0; c < d; ++c) x[static_cast<std::size_t>(c)] = to_real<double>(r[c]);
+      double sum = 0, sum2 = 0;
+      for (Index c = 0; c < d; ++c) {
+        const std::size_t k = static_cast<std::size_t>(c);
+        const double v = (x[k] - shift[k]) * scale[k];
+        sum += v;
+        sum2 += v * v;
+      }
+      double sigma = 0;
+      if (d > 1) {
+        const double mean = sum / static_cast<double>(d);
+        sigma = std::sqrt(std::max(0.0, (sum2 - sum * mean) / static_cast<double>(d - 1)));
+      }
+      s[static_cast<std::size_t>(j)] = sigma;
+      top = std::max(top, sigma);
+    }
+    double z = 0;
+    for (Index j = 0; j < L; ++j) z += (s[static_cast<std::size_t>(j)] = std::exp(s[static_cast<std::size_t>(j)] - top));
+    for (Index j = 0; j < L; ++j) s[static_cast<std::size_t>(j)] /= z;
+  }
+
+  template <class T>
+  void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
+    using Real = compute_t<T>;
+    const Index n = ctx.tokens(), d = ctx.head_dim(), S = std::min(args.sinks, n), L = args.lag;
+    out.resize(n);
+    if (n - S < 2 * L) {
+      for (Index j = 0; j < S; ++j) out[j] = Real(1);
+      for (Index j = S; j < n; ++j) out[j] = static_cast<Real>(static_cast<double>(j - S) / static_cast<double>(n - S));
+      return;
+    }
+    const Index q = (n - S) / L, t = S + (q - 1) * L;  // the tail T = [t, n)
+    for (Index j = 0; j < S; ++j) out[j] = Real(2);
+    for (Index j = t; j < n; ++j) out[j] = static_cast<Real>(1.0 + static_cast<double>(j - t) / static_cast<double>(n - t));
+    std::vector<double> shift, scale, x, key_s(static_cast<std::size_t>(L)), value_s(static_cast<std::size_t>(L));
+    std::vector<Index> order(static_cast<std::size_t>(L));
+    for (Index p = 0; p + 1 < q; ++p) {
+      const Index lo = S + p * L;
+      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, shift, scale, x, key_s);
+      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, shift, scale, x, value_s);
+      for (Index j = 0; j < L; ++j) key_s[static_cast<std::size_t>(j)] = (key_s[static_cast<std::size_t>(j)] + value_s[static_cast<std::size_t>(j)]) / 2;
+      if (!args.rank) {
+        for (Index j = 0; j < L; ++j) out[lo + j] = static_cast<Real>(key_s[static_cast<std::size_t>(j)]);
+        continue;
+      }
+      std::iota(order.begin(), order.end(), Index(0));
+      // Ascending score, ties (and NaN, placed first) by position: a strict weak order.
+      std::sort(order.begin(), order.end(), [&](Index a, Index b) {
+        const double sa = key_s[static_cast<std::size_t>(a)], sb = key_s[static_cast<std::size_t>(b)];
+        const bool a_nan = sa != sa, b_nan = sb != sb;
+        if (a_nan || b_nan) return a_nan == b_nan ? a < b : a_nan;
+        return sa < sb || (sa == sb && a < b);
+      });
+      for (Index r = 0; r < L; ++r)
+        out[lo + order[static_cast<std::size_t>(r)]] = static_cast<Real>(static_cast<double>(r) / static_cast<double>(L));
+    }
+  }
+};
+
+}  // namespace kvc

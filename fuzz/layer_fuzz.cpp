@@ -54,6 +54,12 @@ template <class A, class = void> struct has_compensator_args : std::false_type {
 template <class A> struct has_compensator_args<A, std::void_t<decltype(A{}.compensator.alpha)>> : std::true_type {};
 template <class A, class = void> struct has_ridge_args : std::false_type {};
 template <class A> struct has_ridge_args<A, std::void_t<decltype(A{}.merger.lambda_v)>> : std::true_type {};
+template <class A, class = void> struct has_chunk_args : std::false_type {};
+template <class A> struct has_chunk_args<A, std::void_t<decltype(A{}.selector.chunk)>> : std::true_type {};
+template <class A, class = void> struct has_window_scorer_args : std::false_type {};
+template <class A> struct has_window_scorer_args<A, std::void_t<decltype(A{}.scorer.window)>> : std::true_type {};
+template <class A, class = void> struct has_lag_args : std::false_type {};
+template <class A> struct has_lag_args<A, std::void_t<decltype(A{}.scorer.lag)>> : std::true_type {};
 template <class A, class = void> struct has_floor_args : std::false_type {};
 template <class A> struct has_floor_args<A, std::void_t<decltype(A{}.allocator.floor)>> : std::true_type {};
 
@@ -86,6 +92,16 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.selector.pool_kernel = pick_index(p, 0, 9);
     a.selector.pooling = static_cast<kvc::Pooling>(p.ConsumeIntegralInRange<int>(0, 2));
     a.selector.granularity = static_cast<kvc::Granularity>(p.ConsumeIntegralInRange<int>(0, 1));
+  }
+  if constexpr (has_chunk_args<Args>::value) a.selector.chunk = pick_index(p, 0, n + 3);
+  if constexpr (has_window_scorer_args<Args>::value) {  // CUR
+    a.scorer.sinks = pick_index(p, 0, n + 2);
+    a.scorer.window = pick_index(p, 0, n + 3);
+  }
+  if constexpr (has_lag_args<Args>::value) {  // LagKV
+    a.scorer.sinks = pick_index(p, 0, n + 2);
+    a.scorer.lag = pick_index(p, 0, n + 3);
+    a.scorer.rank = p.ConsumeBool();
   }
   if constexpr (has_router_args<Args>::value) {
     a.router.bucket = pick_index(p, 0, n + 4);
@@ -309,6 +325,9 @@ void run_all(FuzzedDataProvider& p) {
   run_preset<kvc::SnapKVGRKV>("SnapKVGRKV", layer, budget, p);
   run_preset<kvc::SelKVEvictGRKV>("SelKVEvictGRKV", layer, budget, p);
   run_preset<kvc::StreamingLLMGRKV>("StreamingLLMGRKV", layer, budget, p);
+  run_preset<kvc::CUR>("CUR", layer, budget, p);
+  run_preset<kvc::LagKV>("LagKV", layer, budget, p);
+  run_preset<kvc::ChunkKV>("ChunkKV", layer, budget, p);
 }
 
 }  // namespace

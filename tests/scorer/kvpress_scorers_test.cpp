@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 using namespace kvc;
@@ -180,6 +181,21 @@ TEST_CASE("LagRelative: identical tokens tie, and ties rank by position", "[scor
   kvc::test::LayerBuffers<float> b(K, V, Q, Layout::head_major);
   const Eigen::MatrixXd got = scores_of(LagRelative{{s, L, true}}, b.view());
   for (long j = 0; j < L; ++j) CHECK(got(0, s + j) == double(j) / double(L));
+}
+
+TEST_CASE("LagRelative and LocalLeverage take a lag or window up to the largest Index", "[scorer]") {
+  // 2·lag and sinks + window overflow Index there: the scores equal those of a lag or window of n.
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(317);
+  const long n = 40, d = 4;
+  const Index huge = std::numeric_limits<Index>::max();
+  const ref::Tensor3 K = kvc::test::random_tensor(rng, 2, n, d), V = kvc::test::random_tensor(rng, 2, n, d),
+                     Q = kvc::test::random_tensor(rng, 2, 1, d);
+  kvc::test::LayerBuffers<float> b(K, V, Q, Layout::head_major);
+  CHECK((scores_of(LagRelative{{4, huge, true}}, b.view()) == scores_of(LagRelative{{4, n, true}}, b.view())));
+  CHECK((scores_of(LagRelative{{huge, 8, false}}, b.view()) == scores_of(LagRelative{{n, 8, false}}, b.view())));
+  CHECK((scores_of(LocalLeverage{{4, huge}}, b.view()) == scores_of(LocalLeverage{{4, n}}, b.view())));
+  CHECK((scores_of(LocalLeverage{{huge, 16}}, b.view()) == scores_of(LocalLeverage{{n, 16}}, b.view())));
 }
 
 TEST_CASE("CUR and LagKV presets select like the reference", "[scorer][pipeline]") {

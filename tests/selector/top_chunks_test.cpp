@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -82,6 +83,30 @@ TEST_CASE("TopChunks matches the reference chunk selection over sizes, budgets, 
           check_invariants(out, n, m);
         }
       }
+}
+
+TEST_CASE("TopChunks takes a chunk up to the largest Index", "[selector]") {
+  // chunk + any length overflows Index there: one chunk holds every candidate, as a chunk of n does.
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(323);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const long n = 50;
+  Eigen::MatrixXd scores(2, n);
+  for (long g = 0; g < 2; ++g)
+    for (long j = 0; j < n; ++j) scores(g, j) = normal(rng);
+  for (const bool shared : {false, true})
+    for (const long m : {1L, 17L, 49L}) {
+      INFO("shared " << shared << " m " << m);
+      TopChunks<> huge, whole;
+      huge.args.chunk = std::numeric_limits<Index>::max();
+      whole.args.chunk = n;
+      huge.args.granularity = whole.args.granularity = shared ? Granularity::shared : Granularity::per_head;
+      Selection<double> a, b;
+      huge.select(rows_of<double>(scores), {m, m}, a);
+      whole.select(rows_of<double>(scores), {m, m}, b);
+      CHECK(a.kept == b.kept);
+      check_invariants(a, n, m);
+    }
 }
 
 TEST_CASE("TopChunks: budgets in whole chunks keep whole chunks; float scores; ties to the first chunks", "[selector]") {

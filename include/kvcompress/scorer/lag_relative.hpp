@@ -99,7 +99,7 @@ struct LagRelative {
     using Real = compute_t<T>;
     const Index n = ctx.tokens(), d = ctx.head_dim(), S = std::min(args.sinks, n), L = args.lag;
     out.resize(n);
-    if (n - S < 2 * L) {
+    if ((n - S) / 2 < L) {  // fewer than 2L tokens after the sinks (2L may overflow)
       for (Index j = 0; j < S; ++j) out[j] = Real(1);
       for (Index j = S; j < n; ++j) out[j] = static_cast<Real>(static_cast<double>(j - S) / static_cast<double>(n - S));
       return;

@@ -98,10 +98,10 @@ struct TopChunks {
       for (Index j = 0; j < lo; ++j) flag[static_cast<std::size_t>(j)] = 1;
       for (Index j = hi; j < n; ++j) flag[static_cast<std::size_t>(j)] = 1;
       Index left = m - f.sinks - f.recent;
-      const Index chunks = hi > lo ? (hi - lo + c - 1) / c : 0;
+      const Index chunks = hi > lo ? (hi - lo) / c + ((hi - lo) % c != 0) : 0;  // no overflow for any c
       std::vector<Real> mean(static_cast<std::size_t>(chunks));  // S_b
       for (Index b = 0; b < chunks; ++b) {
-        const Index a = lo + b * c, e = std::min(hi, a + c);
+        const Index a = lo + b * c, e = a + std::min(c, hi - a);
         Real sum = 0;
         for (Index j = a; j < e; ++j) sum += s[j];
         mean[static_cast<std::size_t>(b)] = sum / static_cast<Real>(e - a);
@@ -113,7 +113,7 @@ struct TopChunks {
         return higher(sx, sy) || (!higher(sy, sx) && x < y);
       });
       for (Index b : order) {
-        const Index a = lo + b * c, e = std::min(hi, a + c);
+        const Index a = lo + b * c, e = a + std::min(c, hi - a);
         if (e - a > left) continue;
         for (Index j = a; j < e; ++j) flag[static_cast<std::size_t>(j)] = 1;
         left -= e - a;

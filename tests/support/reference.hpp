@@ -372,14 +372,24 @@ inline std::vector<double> pool(const std::vector<double>& score_row, long n, lo
   return out;
 }
 
-/// The k best of `candidates` by `score`: higher score first, ties to the lower position (SPEC §5).
-/// Returned in ascending position order.
-inline std::vector<long> top_k(const std::vector<double>& score, std::vector<long> candidates, long k) {
-  const auto better = [&](long x, long y) {
+/// The rank order of SPEC §5: higher score first, ties to the lower position.
+inline auto better_by(const std::vector<double>& score) {
+  return [&score](long x, long y) {
     const double sx = score[static_cast<std::size_t>(x)], sy = score[static_cast<std::size_t>(y)];
     if (sx != sy) return sx > sy;
     return x < y;
   };
+}
+
+/// `candidates` in rank order (better_by).
+inline std::vector<long> ranked(const std::vector<double>& score, std::vector<long> candidates) {
+  std::sort(candidates.begin(), candidates.end(), better_by(score));
+  return candidates;
+}
+
+/// The k best of `candidates` by `score` (better_by), returned in ascending position order.
+inline std::vector<long> top_k(const std::vector<double>& score, std::vector<long> candidates, long k) {
+  const auto better = better_by(score);
   if (k < static_cast<long>(candidates.size())) {
     const auto cut = candidates.begin() + std::max(k, 0L);
     std::nth_element(candidates.begin(), cut, candidates.end(), better);  // a strict total order: exact
@@ -493,7 +503,7 @@ inline std::vector<std::vector<long>> select_chunks(const Eigen::MatrixXd& score
       chunks.push_back(b);
     }
     long left = m - f.sinks - f.recent;
-    for (long b : top_k(chunk_mean, chunks, static_cast<long>(chunks.size()))) {
+    for (long b : ranked(chunk_mean, chunks)) {
       const long a = lo + b * chunk, e = std::min(hi, a + chunk);
       if (e - a > left) continue;
       for (long j = a; j < e; ++j) kept[static_cast<std::size_t>(j)] = 1;

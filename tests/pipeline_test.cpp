@@ -20,6 +20,7 @@
 #include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/reference.hpp"
+#include "support/result_checks.hpp"
 #include "support/tolerances.hpp"
 
 #include <cmath>
@@ -31,6 +32,7 @@
 
 using namespace kvc;
 using kvc::test::complement;
+using kvc::test::check_identical;
 using kvc::test::kTol;
 using kvc::test::Layout;
 
@@ -193,24 +195,6 @@ void check_all_presets(const Data& f, Layout layout, const kvc::test::PrecisionT
   check_preset<SelKV, T>("SelKV", kSelKV, f, layout, tol);
   check_preset<SelKVMergeAll, T>("SelKVMergeAll", kSelKVMergeAll, f, layout, tol);
   check_preset<KNorm, T>("KNorm", kKNorm, f, layout, tol);
-}
-
-/// Every field of two results is bit-identical.
-template <class Real>
-void check_identical(const LayerResult<Real>& x, const LayerResult<Real>& y) {
-  REQUIRE(x.heads.size() == y.heads.size());
-  CHECK(x.next_position == y.next_position);
-  CHECK(x.shared_positions == y.shared_positions);
-  CHECK(x.window_product == y.window_product);
-  for (std::size_t g = 0; g < x.heads.size(); ++g) {
-    INFO("head " << g);
-    CHECK(x.heads[g].positions == y.heads[g].positions);
-    CHECK(x.heads[g].keys == y.heads[g].keys);
-    CHECK(x.heads[g].values == y.heads[g].values);
-    CHECK(x.heads[g].bias == y.heads[g].bias);
-    CHECK(x.heads[g].diagnostics.merged == y.heads[g].diagnostics.merged);
-    CHECK(x.heads[g].diagnostics.gate_mean == y.heads[g].diagnostics.gate_mean);
-  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "support/head_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/reference.hpp"
+#include "support/result_checks.hpp"
 #include "support/tolerances.hpp"
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include <vector>
 
 using namespace kvc;
+using kvc::test::check_identical;
 using kvc::test::kTol;
 using kvc::test::Layout;
 
@@ -57,21 +59,6 @@ struct Cache {
     return v;
   }
 };
-
-/// Every field of two results is bit-identical.
-template <class Real>
-void check_identical(const LayerResult<Real>& x, const LayerResult<Real>& y) {
-  REQUIRE(x.heads.size() == y.heads.size());
-  CHECK(x.next_position == y.next_position);
-  CHECK(x.shared_positions == y.shared_positions);
-  for (std::size_t g = 0; g < x.heads.size(); ++g) {
-    INFO("head " << g);
-    CHECK(x.heads[g].positions == y.heads[g].positions);
-    CHECK(x.heads[g].keys == y.heads[g].keys);
-    CHECK(x.heads[g].values == y.heads[g].values);
-    CHECK(x.heads[g].bias == y.heads[g].bias);
-  }
-}
 
 /// (Hkv, nb) stored bias N(0, σ²) and per-head strictly increasing positions (gaps of 1..4, offset g).
 struct Stored {

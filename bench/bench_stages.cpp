@@ -243,19 +243,11 @@ const LayerScores& selkv_scores(Index n) {
   return cache.emplace(n, std::move(s)).first->second;
 }
 
-/// Selector (pooling + top-k) for all KV heads at ratio 0.25, per head (SnapKV) and shared (SelKV), on
-/// uniform random scores (Layer = false) or on SelKV's scores of the benchmark layer (Layer = true),
-/// which crowd into a narrow range (most share their top 11 bits: TopK's refine_edge path).
-template <Granularity Gr, bool Layer = false>
-void BM_Select(benchmark::State& state) {
-  const Index n = state.range(0);
-  const auto layer = layer_of(n).view();
-  std::vector<Vector<float>> scores(layer.kv_heads());
-  if (Layer) scores = selkv_scores(n).score;
-  else for (auto& s : scores) s = Vector<float>::Random(n).cwiseAbs();
-  const std::vector<Index> budgets(layer.kv_heads(), n / 4);
-  TopK<0, 32, 5, Gr> sel;
-  // Its own loop (not time_iterations): each iteration's fresh result is freed outside the timed part.
+/// Times sel.select(scores, budgets) into a fresh Selection per iteration. Its own loop (not
+/// time_iterations): each iteration's fresh result is freed outside the timed part.
+template <class Selector>
+void time_select(benchmark::State& state, const Selector& sel, const std::vector<Vector<float>>& scores,
+                 const std::vector<Index>& budgets, Index n) {
   double total = 0;
   for (auto _ : state) {
     const double t0 = thread_seconds();
@@ -269,6 +261,21 @@ void BM_Select(benchmark::State& state) {
   set_layer_counters(state, n, total / double(state.iterations()));
 }
 
+/// Selector (pooling + top-k) for all KV heads at ratio 0.25, per head (SnapKV) and shared (SelKV), on
+/// uniform random scores (Layer = false) or on SelKV's scores of the benchmark layer (Layer = true),
+/// which crowd into a narrow range (most share their top 11 bits: TopK's refine_edge path).
+template <Granularity Gr, bool Layer = false>
+void BM_Select(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  std::vector<Vector<float>> scores(layer.kv_heads());
+  if (Layer) scores = selkv_scores(n).score;
+  else for (auto& s : scores) s = Vector<float>::Random(n).cwiseAbs();
+  const std::vector<Index> budgets(layer.kv_heads(), n / 4);
+  TopK<0, 32, 5, Gr> sel;
+  time_select(state, sel, scores, budgets, n);
+}
+
 /// ChunkKV's selection (TopChunks: recent 32, pool 5, 20-token chunks, shared) on SelKV's scores of
 /// the benchmark layer, budget n/4.
 void BM_SelectChunks(benchmark::State& state) {
@@ -277,17 +284,7 @@ void BM_SelectChunks(benchmark::State& state) {
   const std::vector<Vector<float>>& scores = selkv_scores(n).score;
   const std::vector<Index> budgets(layer.kv_heads(), n / 4);
   TopChunks<20, 0, 32, 5> sel;
-  double total = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
-    Selection<float> out;
-    sel.select(scores, budgets, out);
-    const double t = thread_seconds() - t0;
-    benchmark::DoNotOptimize(out.kept.data());
-    total += t;
-    state.SetIterationTime(t);
-  }
-  set_layer_counters(state, n, total / double(state.iterations()));
+  time_select(state, sel, scores, budgets, n);
 }
 
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),

@@ -7,7 +7,8 @@
 #include "synthetic_demo.hpp"
 
 #include <kvcompress/kvcompress.hpp>
-#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"       // float and float16 presets compiled once (kvc_cli_methods)
+#include "support/test_presets.hpp"  // double and bfloat16 (kvc_test_presets)
 
 #include <atomic>
 #include <cstddef>

@@ -9,7 +9,8 @@
 #include <kvcompress/metrics.hpp>
 #include <kvcompress/pipeline.hpp>
 #include <kvcompress/presets.hpp>
-#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"       // float and float16 presets compiled once (kvc_cli_methods)
+#include "support/test_presets.hpp"  // double and bfloat16 (kvc_test_presets)
 #include <kvcompress/result.hpp>
 
 #include "support/bridge.hpp"

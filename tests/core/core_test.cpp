@@ -2,7 +2,8 @@
 #include <catch2/catch.hpp>
 
 #include <kvcompress/presets.hpp>
-#include "presets_compiled.hpp"  // the presets compiled once (kvc_cli_methods)
+#include "presets_compiled.hpp"       // float and float16 presets compiled once (kvc_cli_methods)
+#include "support/test_presets.hpp"  // double and bfloat16 (kvc_test_presets)
 #include <kvcompress/result.hpp>
 #include <kvcompress/rope.hpp>
 #include <kvcompress/scorer/scorers.hpp>

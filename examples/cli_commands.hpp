@@ -168,7 +168,27 @@ inline MethodOptions method_options(Args& a) {
   if (a.has("steps")) o.steps = a.integer("steps", 0);
   if (a.has("safeguard")) o.safeguard = a.flag("safeguard");
   if (a.has("reposition")) o.reposition = a.flag("reposition");
+  if (a.has("scorer")) o.scorer = a.str("scorer");
+  if (a.has("merger")) o.merger = a.str("merger");
+  if (a.has("compensator")) o.compensator = a.str("compensator");
+  if (a.has("allocation")) o.allocation = a.str("allocation");
   return o;
+}
+
+/// --layer-budgets uniform|pyramid and --pyramid-beta (generate, eval): how a model's budget is shared
+/// out across its layers (model.hpp); the schedule's window is the run's observation window.
+inline LayerScheduleArguments layer_schedule(Args& a) {
+  LayerScheduleArguments s;
+  const std::string name = a.str("layer-budgets", "uniform");
+  if (name == "pyramid") s.schedule = LayerSchedule::pyramid;
+  else if (name != "uniform")
+    throw std::invalid_argument("--layer-budgets must be uniform or pyramid, got '" + name + "'");
+  if (a.has("pyramid-beta")) {
+    if (s.schedule != LayerSchedule::pyramid) throw std::invalid_argument("--pyramid-beta needs --layer-budgets pyramid");
+    s.beta = a.num("pyramid-beta", s.beta);
+    s.validate().throw_if_error();
+  }
+  return s;
 }
 
 struct ModelFiles {
@@ -204,11 +224,13 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   const Index window = a.integer("window", 32, 1, std::numeric_limits<Index>::max());
   const Budget budget = budget_from(a);
   MethodOptions opts = method_options(a);
+  const LayerScheduleArguments schedule = layer_schedule(a);
   a.reject_unused();
   const engine::Model model = engine::Model::load(files.model);
   const engine::Tokenizer tok = engine::Tokenizer::load(files.tokenizer, model.config().vocab_size);
   opts.rope_theta = 10000.0;
-  const engine::LayerCompressor fn = engine_compressor(make_method(method, opts), budget);
+  const engine::LayerCompressor fn =
+      engine_compressor(make_method(method, opts), budget, schedule, model.config().n_layers);
 
   const std::vector<int> prompt_tokens = tok.encode(prompt, true);
   std::ptrdiff_t entries_before = 0, entries_after = 0;  // cache entries over all layers and KV heads
@@ -272,7 +294,7 @@ struct EvalRow {
 inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vector<std::vector<int>>& seqs,
                                      const engine::EvalConfig& config, const std::vector<std::string>& methods,
                                      const std::vector<double>& ratios, const MethodOptions& opts,
-                                     std::uint64_t seed, bool progress) {
+                                     std::uint64_t seed, bool progress, const LayerScheduleArguments& schedule = {}) {
   engine::TeacherForcedEval ev(model, seqs, config);
   const int layers = model.config().n_layers;
   std::vector<EvalRow> rows;
@@ -289,7 +311,7 @@ inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vect
       const Budget budget = Budget::ratio(ratio);
       engine::LayerCompressor fn = [&](const engine::LayerInput& in) {
         const LayerView<float> layer = view_of(in);
-        const LayerResult<float> r = comp(layer, budget);
+        const LayerResult<float> r = comp(layer, layer_budget(budget, schedule, layers, in));
         acc += window_output_error(layer, r);
         if (++calls == layers) {
           werr.push_back(acc / layers);
@@ -417,6 +439,7 @@ inline int cmd_eval(Args& a, std::ostream& out) {
   const bool json = a.flag("json"), csv = a.flag("csv"), quiet = a.flag("quiet");
   if (json && csv) throw std::invalid_argument("give either --json or --csv, not both");
   const MethodOptions opts = method_options(a);
+  const LayerScheduleArguments schedule = layer_schedule(a);
   a.reject_unused();
   for (const auto& m : methods) make_method(m, opts);  // fail fast on a bad name or option
 
@@ -434,7 +457,7 @@ inline int cmd_eval(Args& a, std::ostream& out) {
                                     std::to_string(seqs[s][t]) + " is outside the model's vocabulary [0, " +
                                     std::to_string(model.config().vocab_size) + ")");
   if (tokens_path.empty()) seqs = engine::sample_sequences(model, static_cast<int>(samples), static_cast<int>(length), seed);
-  const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet);
+  const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet, schedule);
   if (json) print_json(rows, out);
   else if (csv) print_csv(rows, out);
   else {
@@ -505,6 +528,9 @@ inline std::string usage() {
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
          "  --lambda --beta --steps --safeguard --reposition\n"
+         "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge\n"
+         "  --compensator none|log-ratio|merge-count --allocation uniform|adakv\n"
+         "generate, eval: --layer-budgets uniform|pyramid [--pyramid-beta 20]\n"
          "methods:" + methods + "\n";
 }
 

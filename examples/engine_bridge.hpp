@@ -40,10 +40,22 @@ inline engine::CompressedLayer to_engine(const LayerResult<float>& r) {
   return out;
 }
 
-/// An engine compression hook running `method` at `budget` on every layer.
-inline engine::LayerCompressor engine_compressor(Compressor method, Budget budget) {
-  return [method = std::move(method), budget](const engine::LayerInput& in) {
-    return to_engine(method(view_of(in), budget));
+/// Layer in.layer's budget of a model of `layers` layers: `budget` for every layer (uniform), or its
+/// share of the schedule (model.hpp's layer_budgets, window = the run's observation window).
+inline Budget layer_budget(const Budget& budget, LayerScheduleArguments schedule, int layers,
+                           const engine::LayerInput& in) {
+  if (schedule.schedule == LayerSchedule::uniform) return budget;
+  schedule.window = in.W;
+  const Index m = budget.resolve(in.n);
+  if (m < 1) return budget;  // the library reports it
+  return Budget::tokens(layer_budgets(schedule, layers, in.n, m)[static_cast<std::size_t>(in.layer)]);
+}
+
+/// An engine compression hook running `method` at `budget` on every layer, shared out by `schedule`.
+inline engine::LayerCompressor engine_compressor(Compressor method, Budget budget,
+                                                 const LayerScheduleArguments& schedule = {}, int layers = 1) {
+  return [method = std::move(method), budget, schedule, layers](const engine::LayerInput& in) {
+    return to_engine(method(view_of(in), layer_budget(budget, schedule, layers, in)));
   };
 }
 

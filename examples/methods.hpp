@@ -16,6 +16,8 @@ namespace kvc::cli {
 struct MethodOptions {
   std::optional<Index> pool, recent, sinks, bucket, steps;
   std::optional<std::string> route, selection, pooling;
+  /// Stages swapped into the method (composed.hpp): --scorer METHOD, --merger, --compensator, --allocation.
+  std::optional<std::string> scorer, merger, compensator, allocation;
   std::optional<double> alpha, lambda, beta, r_max;
   std::optional<bool> safeguard, reposition;
   double rope_theta = 10000.0;  // the model's RoPE base (used when repositioning)
@@ -34,37 +36,37 @@ inline const std::vector<std::string>& method_names() {
 namespace detail {
 
 template <class A, class = void> struct has_pool : std::false_type {};
-template <class A> struct has_pool<A, std::void_t<decltype(A{}.selector.pool_kernel)>> : std::true_type {};
+template <class A> struct has_pool<A, std::void_t<decltype(A{}.pool_kernel)>> : std::true_type {};
 template <class A, class = void> struct has_bucket : std::false_type {};
-template <class A> struct has_bucket<A, std::void_t<decltype(A{}.router.bucket)>> : std::true_type {};
+template <class A> struct has_bucket<A, std::void_t<decltype(A{}.bucket)>> : std::true_type {};
 template <class A, class = void> struct has_alpha : std::false_type {};
-template <class A> struct has_alpha<A, std::void_t<decltype(A{}.compensator.alpha)>> : std::true_type {};
+template <class A> struct has_alpha<A, std::void_t<decltype(A{}.alpha)>> : std::true_type {};
 template <class A, class = void> struct has_ridge : std::false_type {};
-template <class A> struct has_ridge<A, std::void_t<decltype(A{}.merger.lambda_v)>> : std::true_type {};
+template <class A> struct has_ridge<A, std::void_t<decltype(A{}.lambda_v)>> : std::true_type {};
 
 [[noreturn]] inline void not_applicable(const std::string& option, const std::string& method) {
   throw std::invalid_argument("option --" + option + " does not apply to method '" + method + "'");
 }
 
-template <class Args>
-void apply(Args& a, const MethodOptions& o, const std::string& method) {
-  if constexpr (has_pool<Args>::value) {
+// One function per slot, over that slot's Arguments: sets the options that apply, rejects the others.
+template <class A>
+void apply_selector(A& a, const MethodOptions& o, const std::string& method) {
+  if constexpr (has_pool<A>::value) {
     if (o.pool) {
-      a.selector.pool_kernel = *o.pool;
-      a.selector.pooling = *o.pool > 1 ? (a.selector.pooling == Pooling::none ? Pooling::average : a.selector.pooling)
-                                       : Pooling::none;
+      a.pool_kernel = *o.pool;
+      a.pooling = *o.pool > 1 ? (a.pooling == Pooling::none ? Pooling::average : a.pooling) : Pooling::none;
     }
     if (o.pooling) {
-      if (*o.pooling == "avg" || *o.pooling == "average") a.selector.pooling = Pooling::average;
-      else if (*o.pooling == "max") a.selector.pooling = Pooling::max;
-      else if (*o.pooling == "none") a.selector.pooling = Pooling::none;
+      if (*o.pooling == "avg" || *o.pooling == "average") a.pooling = Pooling::average;
+      else if (*o.pooling == "max") a.pooling = Pooling::max;
+      else if (*o.pooling == "none") a.pooling = Pooling::none;
       else throw std::invalid_argument("--pooling must be avg, max or none, got '" + *o.pooling + "'");
     }
-    if (o.recent) a.selector.recent = *o.recent;
-    if (o.sinks) a.selector.sinks = *o.sinks;
+    if (o.recent) a.recent = *o.recent;
+    if (o.sinks) a.sinks = *o.sinks;
     if (o.selection) {
-      if (*o.selection == "shared") a.selector.granularity = Granularity::shared;
-      else if (*o.selection == "per-head" || *o.selection == "per_head") a.selector.granularity = Granularity::per_head;
+      if (*o.selection == "shared") a.granularity = Granularity::shared;
+      else if (*o.selection == "per-head" || *o.selection == "per_head") a.granularity = Granularity::per_head;
       else throw std::invalid_argument("--selection must be shared or per-head, got '" + *o.selection + "'");
     }
   } else {
@@ -74,41 +76,66 @@ void apply(Args& a, const MethodOptions& o, const std::string& method) {
     if (o.sinks) not_applicable("sinks", method);
     if (o.selection) not_applicable("selection", method);
   }
-  if constexpr (has_bucket<Args>::value) {
-    if (o.bucket) a.router.bucket = *o.bucket;
+}
+
+template <class A>
+void apply_router(A& a, const MethodOptions& o, const std::string& method) {
+  if constexpr (has_bucket<A>::value) {
+    if (o.bucket) a.bucket = *o.bucket;
     if (o.route) {
-      if (*o.route == "key-cosine" || *o.route == "key_cosine") a.router.statistic = RouteStatistic::key_cosine;
-      else if (*o.route == "window-mass" || *o.route == "window_mass") a.router.statistic = RouteStatistic::window_mass;
-      else if (*o.route == "co-attention" || *o.route == "co_attention") a.router.statistic = RouteStatistic::co_attention;
-      else if (*o.route == "global") a.router.bucket = 0;
+      if (*o.route == "key-cosine" || *o.route == "key_cosine") a.statistic = RouteStatistic::key_cosine;
+      else if (*o.route == "window-mass" || *o.route == "window_mass") a.statistic = RouteStatistic::window_mass;
+      else if (*o.route == "co-attention" || *o.route == "co_attention") a.statistic = RouteStatistic::co_attention;
+      else if (*o.route == "global") a.bucket = 0;
       else throw std::invalid_argument("--route must be key-cosine, window-mass, co-attention or global, got '" + *o.route + "'");
     }
   } else {
     if (o.bucket) not_applicable("bucket", method);
     if (o.route) not_applicable("route", method);
   }
-  if constexpr (has_alpha<Args>::value) {
-    if (o.alpha) a.compensator.alpha = *o.alpha;
-    if (o.r_max) a.compensator.r_max = *o.r_max;
+}
+
+template <class A>
+void apply_compensator(A& a, const MethodOptions& o, const std::string& method) {
+  if constexpr (has_alpha<A>::value) {
+    if (o.alpha) a.alpha = *o.alpha;
+    if (o.r_max) a.r_max = *o.r_max;
   } else {
     if (o.alpha) not_applicable("alpha", method);
     if (o.r_max) not_applicable("r-max", method);
   }
-  if constexpr (has_ridge<Args>::value) {
-    if (o.lambda) a.merger.lambda_v = a.merger.lambda_k = *o.lambda;
-    if (o.beta) a.merger.beta = *o.beta;
-    if (o.steps) a.merger.steps = *o.steps;
-    if (o.safeguard) a.merger.safeguard = *o.safeguard;
+}
+
+template <class A>
+void apply_merger(A& a, const MethodOptions& o, const std::string& method) {
+  if constexpr (has_ridge<A>::value) {
+    if (o.lambda) a.lambda_v = a.lambda_k = *o.lambda;
+    if (o.beta) a.beta = *o.beta;
+    if (o.steps) a.steps = *o.steps;
+    if (o.safeguard) a.safeguard = *o.safeguard;
   } else {
     if (o.lambda) not_applicable("lambda", method);
     if (o.beta) not_applicable("beta", method);
     if (o.steps) not_applicable("steps", method);
     if (o.safeguard) not_applicable("safeguard", method);
   }
+}
+
+template <class Args>
+void apply_reposition(Args& a, const MethodOptions& o) {
   if (o.reposition && *o.reposition) {
     a.reposition.enabled = true;
     a.reposition.theta = o.rope_theta;
   }
+}
+
+template <class Args>
+void apply(Args& a, const MethodOptions& o, const std::string& method) {
+  apply_selector(a.selector, o, method);
+  apply_router(a.router, o, method);
+  apply_compensator(a.compensator, o, method);
+  apply_merger(a.merger, o, method);
+  apply_reposition(a, o);
 }
 
 }  // namespace detail

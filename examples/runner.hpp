@@ -50,10 +50,15 @@ class PresetRunner final : public Runner<T> {
 
 }  // namespace detail
 
-/// The runner for a method name and the CLI's options, `threads` worker threads; throws
+/// The runner for a method name and the CLI's options (with stages swapped: composed.hpp), `threads` worker threads; throws
 /// std::invalid_argument (the CLI's messages) for an unknown method or an option that does not apply.
 template <class T>
 std::unique_ptr<Runner<T>> make_runner(const std::string& method, const MethodOptions& options, Index threads) {
+  if (swaps_stages(options)) {
+    auto args = composed_arguments(method, options);
+    args.threads = threads;
+    return std::make_unique<detail::PresetRunner<T, Composed>>(args);
+  }
   return visit_method(method, [&](auto tag) -> std::unique_ptr<Runner<T>> {
     using Preset = typename decltype(tag)::type;
     auto args = method_arguments<Preset>(options, method);

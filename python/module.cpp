@@ -113,7 +113,7 @@ void same_dtype(const Input& a, const char* an, const Input& b, const char* bn) 
 
 const char* const kOptionNames =
     "pool, pooling, recent, sinks, bucket, route, selection, alpha, r_max, lambda (or lambda_), beta, steps, "
-    "safeguard, reposition";
+    "safeguard, reposition, scorer, merger, compensator, allocation";
 
 std::string type_name(py::handle v) { return py::str(py::type::of(v).attr("__name__")); }
 
@@ -166,6 +166,10 @@ cli::MethodOptions method_options(const py::kwargs& kwargs) {
     else if (key == "pooling") o.pooling = as_text(key, v);
     else if (key == "route") o.route = as_text(key, v);
     else if (key == "selection") o.selection = as_text(key, v);
+    else if (key == "scorer") o.scorer = as_text(key, v);
+    else if (key == "merger") o.merger = as_text(key, v);
+    else if (key == "compensator") o.compensator = as_text(key, v);
+    else if (key == "allocation") o.allocation = as_text(key, v);
     else if (key == "alpha") o.alpha = as_number(key, v);
     else if (key == "r_max") o.r_max = as_number(key, v);
     else if (key == "beta") o.beta = as_number(key, v);

@@ -16,6 +16,8 @@
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/policy.hpp"
 #include "kvcompress/metrics.hpp"
+#include "kvcompress/model.hpp"
+#include "kvcompress/one_of.hpp"
 #include "kvcompress/presets.hpp"
 #include "kvcompress/result.hpp"
 #include "kvcompress/rope.hpp"

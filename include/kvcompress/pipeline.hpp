@@ -100,6 +100,50 @@ struct has_compensate<P, std::void_t<decltype(std::declval<const P&>().compensat
                              std::declval<const MergeOutput<float>&>(), std::declval<Vector<float>&>()))>>
     : std::true_type {};
 
+template <class P, class = void>
+struct has_runtime_routes : std::false_type {};
+template <class P>
+struct has_runtime_routes<P, std::void_t<decltype(std::declval<const P&>().routes())>> : std::true_type {};
+template <class P, class = void>
+struct has_runtime_needs_routing : std::false_type {};
+template <class P>
+struct has_runtime_needs_routing<P, std::void_t<decltype(std::declval<const P&>().needs_routing())>> : std::true_type {};
+
+template <class P, class = void>
+struct has_runtime_reads_outputs : std::false_type {};
+template <class P>
+struct has_runtime_reads_outputs<P, std::void_t<decltype(std::declval<const P&>().needs_window_outputs())>>
+    : std::true_type {};
+template <class P, class = void>
+struct has_runtime_needs_mass : std::false_type {};
+template <class P>
+struct has_runtime_needs_mass<P, std::void_t<decltype(std::declval<const P&>().needs_mass())>> : std::true_type {};
+/// Whether a policy reads the window attention mass: its traits say so; one chosen at run time knows.
+template <class P>
+bool reads_mass(const P& policy) {
+  if constexpr (has_runtime_needs_mass<P>::value) return policy.needs_mass();
+  else return policy_traits<P>::needs_mass;
+}
+
+/// Whether the merger reads Y = A·V: its traits say so; a merger chosen at run time (OneOf) knows.
+template <class Merger>
+bool merger_reads_outputs(const Merger& merger) {
+  if constexpr (has_runtime_reads_outputs<Merger>::value) return merger.needs_window_outputs();
+  else return policy_traits<Merger>::needs_window_outputs;
+}
+
+/// The run-time form of the NoRoute check below, for slots chosen at run time (OneOf).
+template <class Router, class Merger>
+Status check_routing_pair(const Router& router, const Merger& merger) {
+  bool needs = policy_traits<Merger>::needs_routing, routes = !std::is_same_v<Router, NoRoute>;
+  if constexpr (has_runtime_needs_routing<Merger>::value) needs = merger.needs_routing();
+  if constexpr (has_runtime_routes<Router>::value) routes = router.routes();
+  if (needs && !routes)
+    return Status::fail(Status::Code::invalid_argument,
+                        "this merger pours evicted tokens into routed targets: pair it with a router, not NoRoute");
+  return Status::ok();
+}
+
 }  // namespace detail
 
 /// Scratch memory of Pipeline::run reused across calls: the per-worker window-attention buffers
@@ -291,6 +335,18 @@ class Pipeline {
   /// V is scanned head by head inside stage 1 (so the scan runs on the worker threads too), K up front.
   template <class T>
   static constexpr bool kFoldKeyScan = (kNeedsMass && std::is_same_v<compute_t<T>, float>) || ScorerTraits::covers_keys;
+  /// Whether this call runs the window attention stage: kNeedsMass, and a policy chosen at run time
+  /// (a OneOf slot) needs it. fold_key_scan: kFoldKeyScan for this call.
+  bool mass_needed() const {
+    if constexpr (!kNeedsMass) return false;
+    else
+      return detail::reads_mass(scorer()) || detail::reads_mass(router()) || detail::reads_mass(merger()) ||
+             detail::reads_mass(compensator());
+  }
+  template <class T>
+  bool fold_key_scan() const {
+    return (std::is_same_v<compute_t<T>, float> && mass_needed()) || ScorerTraits::covers_keys;
+  }
   static constexpr bool kScanValuesPerHead = !ScorerTraits::covers_values;
   /// Nothing after the values' gather reads or changes the kept values: the gather then writes them
   /// with streaming stores (detail::gather_positions), for a result of at least kStreamMinBytes (K and
@@ -305,6 +361,12 @@ class Pipeline {
   static constexpr std::size_t kStreamMinBytes = detail::kStreamMinBytes;
   /// The merger reads Y = A·V: form it in stage 1 from the window-mass workspace (one product).
   static constexpr bool kOutputsFromMass = kNeedsMass && MergerTraits::needs_window_outputs;
+  /// Whether this call forms Y in stage 1: kOutputsFromMass, and the merger chosen at run time reads Y
+  /// (a merger slot chosen at run time, OneOf, says which).
+  bool outputs_from_mass() const {
+    if constexpr (!kOutputsFromMass) return false;
+    else return mass_needed() && detail::merger_reads_outputs(merger());
+  }
 
   /// After stage 1 with check_finite: the folded K / V scans (kFoldKeyScan, kScanValuesPerHead). A
   /// non-finite window logit or covering score means a non-finite key or value row (named as validate()
@@ -317,7 +379,7 @@ class Pipeline {
       const bool logits_ok = finite[static_cast<std::size_t>(g)] != 0;
       const bool score_ok = !covers || score[static_cast<std::size_t>(g)].allFinite();
       if (logits_ok && score_ok && values_finite[static_cast<std::size_t>(g)] != 0) continue;
-      if (kFoldKeyScan<T>) detail::check_finite(layer.keys, "keys").throw_if_error();
+      if (fold_key_scan<T>()) detail::check_finite(layer.keys, "keys").throw_if_error();
       detail::check_finite(layer.values, "values").throw_if_error();
       throw error(detail::concat(logits_ok ? "a score" : "a window-attention logit", " of KV head ", g,
                                  " is not finite although keys, values and queries are: ",
@@ -330,7 +392,7 @@ class Pipeline {
   /// too (a non-finite value and a budget that resolves to 0, a non-finite key and query, ...).
   template <class T, class B>
   void throw_if_invalid(const LayerView<T>& layer, const B& budget) const {
-    const Status s = validate_impl(layer, budget, !kFoldKeyScan<T>, /*scan_values=*/false);
+    const Status s = validate_impl(layer, budget, !fold_key_scan<T>(), /*scan_values=*/false);
     if (s) return;
     validate_impl(layer, budget, /*scan_keys=*/true, /*scan_values=*/true).throw_if_error();
     s.throw_if_error();  // not reached: the full check fails whenever the partial one does
@@ -360,6 +422,7 @@ class Pipeline {
     KVC_RETURN_IF_ERROR(scorer().validate());
     KVC_RETURN_IF_ERROR(selector().validate());
     KVC_RETURN_IF_ERROR(router().validate());
+    KVC_RETURN_IF_ERROR(detail::check_routing_pair(router(), merger()));
     for (Index g = 0; g < H; ++g) KVC_RETURN_IF_ERROR(merger().validate(layer.tokens(), budget_of(g)));
     KVC_RETURN_IF_ERROR(compensator().validate());
     KVC_RETURN_IF_ERROR(allocator().validate());
@@ -410,20 +473,25 @@ class Pipeline {
     const auto heads = static_cast<std::size_t>(H);
     ws.mass.resize(heads);
     ws.score.resize(heads);
-    if (kNeedsMass && static_cast<Index>(ws.window.size()) < worker_count(H, args_.threads))
+    const bool mass = mass_needed();
+    if (mass && static_cast<Index>(ws.window.size()) < worker_count(H, args_.threads))
       ws.window.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
     ws.finite.assign(heads, 1);         // per head: every window logit finite
     ws.values_finite.assign(heads, 1);  // per head: every value row finite
-    if (kOutputsFromMass) ws.outputs.resize(heads);
+    const bool outputs = outputs_from_mass();
+    if (outputs) ws.outputs.resize(heads);
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       const auto h = static_cast<std::size_t>(g);
       if (kScanValuesPerHead && args_.check_finite) ws.values_finite[h] = detail::head_finite_scan(layer.values, g);
-      if constexpr (kNeedsMass) {
-        ws.finite[h] = window_mass<Real>(layer, g, args_.attention, ws.mass[h], ws.window[worker]);
-        if constexpr (kOutputsFromMass) window_outputs_after_mass(layer, g, ws.window[worker], ws.outputs[h]);
-      } else {
-        ws.mass[h].setZero(n);
-      }
+      bool computed = false;
+      if constexpr (kNeedsMass)
+        if (mass) {
+          ws.finite[h] = window_mass<Real>(layer, g, args_.attention, ws.mass[h], ws.window[worker]);
+          if constexpr (kOutputsFromMass)
+            if (outputs) window_outputs_after_mass(layer, g, ws.window[worker], ws.outputs[h]);
+          computed = true;
+        }
+      if (!computed) ws.mass[h].setZero(n);
       scorer().score(ScoreContext<T>(layer, g, args_.attention, ws.mass[h], &args_.reposition), ws.score[h]);
     });
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(ws.window);  // one-shot run(): free it now
@@ -452,7 +520,7 @@ class Pipeline {
     result.shared_positions = sel.shared;
     // The condition window_exp_tiles_t applied (only float keys can take AMX); fma without a window stage.
     result.window_product = WindowProduct::fma;
-    if constexpr (kNeedsMass)
+    if (mass_needed())
       result.window_product =
           detail::window_product_for<T>(args_.attention, layer.head_dim(), layer.group_size() * layer.window());
     const bool large = detail::result_rows_bytes(sel.kept, layer.head_dim(), sizeof(compute_t<T>)) >= kStreamMinBytes;
@@ -460,10 +528,11 @@ class Pipeline {
     if (static_cast<Index>(ws.routing.size()) < worker_count(H, args_.threads))
       ws.routing.resize(static_cast<std::size_t>(worker_count(H, args_.threads)));
     if (static_cast<Index>(ws.merged.size()) < H) ws.merged.resize(static_cast<std::size_t>(H));
+    const bool outputs = outputs_from_mass();
     parallel_for(H, args_.threads, [&](Index g, Index worker) {
       const auto h = static_cast<std::size_t>(g);
       HeadContext<T> ctx(layer, g, args_.attention, ws.mass[h], sel.score[h], sel.kept[h], sel.evicted[h],
-                         kOutputsFromMass ? &ws.outputs[h] : nullptr, &args_.reposition);
+                         outputs ? &ws.outputs[h] : nullptr, &args_.reposition);
       ctx.set_streaming_stores(stores.keys);
       compress_head(ctx, stores, ws.routing[static_cast<std::size_t>(worker)], ws.merged[h], result.heads[h]);
     });

@@ -98,6 +98,8 @@ OPTIONED = [
     ("selkv-mergeall", dict(route="co-attention", pool=1), 0.2),
     ("grkv", dict(lambda_=0.1, beta=0.5, steps=3, safeguard=True), 0.25),
     ("grkv-selkv", dict(steps=1, safeguard=False), 0.4),
+    ("tova", dict(merger="soft-gate", compensator="log-ratio", bucket=8), 0.25),
+    ("snapkv", dict(scorer="keydiff", merger="ridge", lambda_=0.05), 0.3),
 ]
 
 
@@ -106,6 +108,15 @@ def test_options_equal_the_tool(tmp_path, method, options, ratio):
     k, v, q = layer(2)
     r = kc.compress(k, v, q, method, ratio=ratio, **options)
     assert_equals_cli(r, cli(tmp_path, k, v, q, method, ratio=ratio, **options))
+
+
+def test_swapped_stages_equal_the_preset_that_composes_them():
+    k, v, q = layer(4)
+    same(kc.compress(k, v, q, "snapkv", ratio=0.25, merger="ridge"), kc.compress(k, v, q, "grkv", ratio=0.25))
+    same(kc.compress(k, v, q, "selkv-evict", ratio=0.25, merger="soft-gate", compensator="log-ratio"),
+         kc.compress(k, v, q, "selkv", ratio=0.25))
+    with pytest.raises(ValueError, match="--merger must be one of"):
+        kc.compress(k, v, q, "snapkv", ratio=0.25, merger="nearest")
 
 
 def test_options_change_the_result():

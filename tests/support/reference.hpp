@@ -929,4 +929,20 @@ inline double window_output_error(const Tensor3& Q, const Tensor3& K, const Tens
   return std::sqrt(diff) / std::sqrt(ref);
 }
 
+/// PyramidKV's per-layer budgets before rounding (kvpress's PyramidKVPress rule, written from its
+/// formula): L layers, n tokens, average budget m, window w, β. Empty when the rule falls back to m for
+/// every layer.
+inline std::vector<double> pyramid_exact(long L, long n, long m, long w, double beta) {
+  const double M = double(std::min(m, n));
+  double lo = M / beta, hi = 2 * M - lo;
+  if (hi >= double(n - w)) {
+    hi = double(n - w);
+    lo = 2 * M - hi;
+  }
+  if (L < 2 || !(double(n) >= hi && hi >= lo && lo >= double(std::max(w, 1L)))) return {};
+  std::vector<double> out;
+  for (long l = 0; l < L; ++l) out.push_back(hi - double(l) * (hi - lo) / double(L - 1));
+  return out;
+}
+
 }  // namespace kvc::ref

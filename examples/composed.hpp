@@ -1,0 +1,141 @@
+// The tool's --scorer / --merger / --compensator: a method's policies with stages swapped, run by one
+// Pipeline of OneOf slots (one_of.hpp), compiled once per element type (presets_compiled.hpp), where
+// a Pipeline per combination would be compiled each.
+#pragma once
+
+#include "methods.hpp"
+
+#include <kvcompress/one_of.hpp>
+#include <kvcompress/presets.hpp>
+
+#include <stdexcept>
+#include <string>
+
+namespace kvc::cli {
+
+using ComposedScorer = OneOf<Position, AttentionMass, ValueWeighted, KeyNorm, LastQueryAttention, KeyDiversity,
+                             LocalLeverage, LagRelative>;
+using ComposedSelector = OneOf<TopK<>, TopChunks<>, KeepAll>;
+using ComposedRouter = OneOf<NoRoute, BucketRouter<>>;
+using ComposedMerger = OneOf<Drop, SoftGate, MergeAll, RidgeMerge>;
+using ComposedCompensator = OneOf<NoCompensation, AttentionRatio, MergeCount>;
+using ComposedAllocator = OneOf<UniformBudget, AdaKV>;
+using Composed = Pipeline<ComposedScorer, ComposedSelector, ComposedRouter, ComposedMerger, ComposedCompensator,
+                          ComposedAllocator>;
+
+/// The names --merger and --compensator take.
+inline const std::vector<std::string>& merger_names() {
+  static const std::vector<std::string> names = {"drop", "merge-all", "soft-gate", "ridge"};
+  return names;
+}
+inline const std::vector<std::string>& compensator_names() {
+  static const std::vector<std::string> names = {"none", "log-ratio", "merge-count"};
+  return names;
+}
+
+namespace detail {
+
+// A preset's policy as the alternative of its slot: the templates' parameters are only defaults of
+// their Arguments, so TopK<4, 0, 0> becomes TopK<> with the same Arguments.
+template <class P>
+P as_alternative(const P& p) {
+  return p;
+}
+template <Index S, Index R, Index P, Granularity G>
+TopK<> as_alternative(const TopK<S, R, P, G>& p) {
+  return TopK<>{{p.args.sinks, p.args.recent, p.args.pool_kernel, p.args.pooling, p.args.granularity}};
+}
+template <Index C, Index S, Index R, Index P, Granularity G>
+TopChunks<> as_alternative(const TopChunks<C, S, R, P, G>& p) {
+  return TopChunks<>{{p.args.chunk, p.args.sinks, p.args.recent, p.args.pool_kernel, p.args.pooling, p.args.granularity}};
+}
+template <Index B, RouteStatistic St>
+BucketRouter<> as_alternative(const BucketRouter<B, St>& p) {
+  return BucketRouter<>{{p.args.bucket, p.args.statistic}};
+}
+
+inline std::string choices(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+}  // namespace detail
+
+/// Whether the options swap a stage (the method then runs as a Composed pipeline).
+inline bool swaps_stages(const MethodOptions& o) { return o.scorer || o.merger || o.compensator || o.allocation; }
+
+/// Method `method`'s preset as Composed::Arguments with the stages the options name swapped in, then
+/// the options applied to the stages that take them. Rules:
+/// - --scorer M: the scorer of method M (its defaults);
+/// - --merger: drop, merge-all, soft-gate (SelKV's), ridge (GRKV's); a merger that pours evicted tokens
+///   into routed targets (merge-all, soft-gate) gets SelKV's router (32-token buckets, key cosine) when
+///   the method has none, and the others run without one;
+/// - --compensator: none, log-ratio (SelKV's α·log R), merge-count (log(1 + merged));
+/// - --allocation: uniform (every KV head keeps m), adakv (AdaKV's per-head budgets; needs per-head
+///   selection).
+/// Throws std::invalid_argument for an unknown name or an option that does not apply.
+inline Composed::Arguments composed_arguments(const std::string& method, const MethodOptions& o) {
+  Composed::Arguments c = visit_method(method, [](auto tag) {
+    using Preset = typename decltype(tag)::type;
+    const typename Preset::Arguments a;
+    Composed::Arguments r;
+    r.attention = a.attention;
+    r.reposition = a.reposition;
+    r.check_finite = a.check_finite;
+    r.scorer.policy = detail::as_alternative(typename Preset::scorer_type{a.scorer});
+    r.selector.policy = detail::as_alternative(typename Preset::selector_type{a.selector});
+    r.router.policy = detail::as_alternative(typename Preset::router_type{a.router});
+    r.merger.policy = detail::as_alternative(typename Preset::merger_type{a.merger});
+    r.compensator.policy = detail::as_alternative(typename Preset::compensator_type{a.compensator});
+    r.allocator.policy = detail::as_alternative(typename Preset::allocator_type{a.allocator});
+    return r;
+  });
+  std::string label = method;
+  if (o.scorer) {
+    c.scorer = visit_method(*o.scorer, [](auto tag) {
+      using Preset = typename decltype(tag)::type;
+      return ComposedScorer::Arguments{detail::as_alternative(typename Preset::scorer_type{typename Preset::Arguments{}.scorer})};
+    });
+    label += " --scorer " + *o.scorer;
+  }
+  if (o.merger) {
+    const std::string& m = *o.merger;
+    if (m == "drop") c.merger.policy = Drop{};
+    else if (m == "merge-all") c.merger.policy = MergeAll{};
+    else if (m == "soft-gate") c.merger.policy = SoftGate{};
+    else if (m == "ridge") c.merger.policy = RidgeMerge{};
+    else throw std::invalid_argument("--merger must be one of " + detail::choices(merger_names()) + ", got '" + m + "'");
+    if (!ComposedMerger{c.merger}.needs_routing()) c.router.policy = NoRoute{};
+    else if (!ComposedRouter{c.router}.routes()) c.router.policy = BucketRouter<>{};
+    label += " --merger " + m;
+  }
+  if (o.compensator) {
+    const std::string& m = *o.compensator;
+    if (m == "none") c.compensator.policy = NoCompensation{};
+    else if (m == "log-ratio") c.compensator.policy = AttentionRatio{};
+    else if (m == "merge-count") c.compensator.policy = MergeCount{};
+    else
+      throw std::invalid_argument("--compensator must be one of " + detail::choices(compensator_names()) + ", got '" +
+                                  m + "'");
+    label += " --compensator " + m;
+  }
+  if (o.allocation) {
+    const std::string& m = *o.allocation;
+    if (m == "uniform") c.allocator.policy = UniformBudget{};
+    else if (m == "adakv") c.allocator.policy = AdaKV{};
+    else throw std::invalid_argument("--allocation must be uniform or adakv, got '" + m + "'");
+    label += " --allocation " + m;
+  }
+  std::visit([&](auto& p) { detail::apply_selector(p.args, o, label); }, c.selector.policy);
+  std::visit([&](auto& p) { detail::apply_router(p.args, o, label); }, c.router.policy);
+  std::visit([&](auto& p) { detail::apply_compensator(p.args, o, label); }, c.compensator.policy);
+  std::visit([&](auto& p) { detail::apply_merger(p.args, o, label); }, c.merger.policy);
+  detail::apply_reposition(c, o);
+  if (!ComposedAllocator{c.allocator}.keeps_budgets() && ComposedSelector{c.selector}.shares_positions())
+    throw std::invalid_argument("method '" + label + "' selects the same positions for every KV head, which per-head "
+                                "budgets cannot: add --selection per-head");
+  return c;
+}
+
+}  // namespace kvc::cli

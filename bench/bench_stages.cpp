@@ -287,6 +287,19 @@ void BM_SelectChunks(benchmark::State& state) {
   time_select(state, sel, scores, budgets, n);
 }
 
+/// Threshold's selection (ThresholdSelect: recent 64) on SelKV's scores of the benchmark layer, τ at
+/// their median so that about half qualify, capped at n/4 (the cap's sort included).
+void BM_SelectThreshold(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const std::vector<Vector<float>>& scores = selkv_scores(n).score;
+  const std::vector<Index> budgets(layer.kv_heads(), n / 4);
+  std::vector<float> sorted(scores[0].data(), scores[0].data() + n);
+  std::nth_element(sorted.begin(), sorted.begin() + n / 2, sorted.end());
+  ThresholdSelect<64> sel{{double(sorted[static_cast<std::size_t>(n / 2)]), 64}};
+  time_select(state, sel, scores, budgets, n);
+}
+
 /// SelKV's per-head stages after selection (key-cosine bucket routing, soft-gate merge, log R bias),
 /// all KV heads, with the selection and mass computed once outside the timing and one set of output
 /// buffers per head, allocated and written before the timing and reused by every iteration, after
@@ -365,6 +378,7 @@ BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::per_head)->Apply(kvc::bench::lay
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared, true)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_SelectChunks)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_SelectThreshold)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_RouteMergeCompensate)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_ValidateLayer)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_StreamSum)->Apply(kvc::bench::layer_sizes);

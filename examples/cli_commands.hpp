@@ -163,6 +163,7 @@ inline MethodOptions method_options(Args& a) {
   if (a.has("selection")) o.selection = a.str("selection");
   if (a.has("alpha")) o.alpha = a.num("alpha", 0);
   if (a.has("r-max")) o.r_max = a.num("r-max", 0);
+  if (a.has("threshold")) o.threshold = a.num("threshold", 0);
   if (a.has("lambda")) o.lambda = a.num("lambda", 0);
   if (a.has("beta")) o.beta = a.num("beta", 0);
   if (a.has("steps")) o.steps = a.integer("steps", 0);
@@ -287,6 +288,7 @@ struct EvalRow {
   double ratio = 0;
   engine::Interval kl, top1, dnll, werr;
   engine::Interval kl_vs_snapkv;  // paired KL difference (this − snapkv), when has_pair
+  double kept = 0;  // entries kept / entries before, over every layer, KV head and sequence
   bool has_pair = false;
   double seconds = 0;
 };
@@ -309,10 +311,13 @@ inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vect
       int calls = 0;
       double acc = 0;
       const Budget budget = Budget::ratio(ratio);
+      double kept_entries = 0, all_entries = 0;
       engine::LayerCompressor fn = [&](const engine::LayerInput& in) {
         const LayerView<float> layer = view_of(in);
         const LayerResult<float> r = comp(layer, layer_budget(budget, schedule, layers, in));
         acc += window_output_error(layer, r);
+        for (const auto& h : r.heads) kept_entries += static_cast<double>(h.positions.size());
+        all_entries += static_cast<double>(in.Hkv * in.n);
         if (++calls == layers) {
           werr.push_back(acc / layers);
           calls = 0;
@@ -330,6 +335,7 @@ inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vect
       row.top1 = engine::bootstrap_mean(res.values(engine::Metric::kTop1), seed);
       row.dnll = engine::bootstrap_mean(res.values(engine::Metric::kDeltaNll), seed);
       row.werr = engine::bootstrap_mean(werr, seed);
+      row.kept = all_entries > 0 ? kept_entries / all_entries : 0.0;
       rows.push_back(row);
       results.push_back(res);
       ++done;
@@ -380,6 +386,7 @@ inline void print_json(const std::vector<EvalRow>& rows, std::ostream& out) {
     out << "  {\"method\": \"" << r.method << "\", \"ratio\": " << r.ratio << ", \"kl\": " << iv(r.kl)
         << ", \"top1\": " << iv(r.top1) << ", \"delta_nll\": " << iv(r.dnll) << ", \"window_error\": " << iv(r.werr);
     if (r.has_pair) out << ", \"kl_minus_snapkv\": " << iv(r.kl_vs_snapkv);
+    out << ", \"kept\": " << r.kept;
     out << ", \"seconds\": " << r.seconds << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
   }
   out << "]\n";
@@ -387,14 +394,15 @@ inline void print_json(const std::vector<EvalRow>& rows, std::ostream& out) {
 
 inline void print_csv(const std::vector<EvalRow>& rows, std::ostream& out) {
   out << "method,ratio,kl,kl_lo,kl_hi,top1,top1_lo,top1_hi,delta_nll,delta_nll_lo,delta_nll_hi,window_error,"
-         "window_error_lo,window_error_hi,kl_minus_snapkv,kl_minus_snapkv_lo,kl_minus_snapkv_hi\n";
+         "window_error_lo,window_error_hi,kl_minus_snapkv,kl_minus_snapkv_lo,kl_minus_snapkv_hi,kept\n";
   for (const auto& r : rows) {
     out << r.method << "," << r.ratio;
     for (const auto* i : {&r.kl, &r.top1, &r.dnll, &r.werr}) out << "," << i->mean << "," << i->lo << "," << i->hi;
     if (r.has_pair)
-      out << "," << r.kl_vs_snapkv.mean << "," << r.kl_vs_snapkv.lo << "," << r.kl_vs_snapkv.hi << "\n";
+      out << "," << r.kl_vs_snapkv.mean << "," << r.kl_vs_snapkv.lo << "," << r.kl_vs_snapkv.hi;
     else
-      out << ",,,\n";
+      out << ",,,";
+    out << "," << r.kept << "\n";
   }
 }
 
@@ -527,7 +535,7 @@ inline std::string usage() {
          "common: --model FILE --tokenizer FILE (default: $KVC_MODEL_DIR, ./models, ../shared/models)\n"
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
-         "  --lambda --beta --steps --safeguard --reposition\n"
+         "  --lambda --beta --steps --safeguard --reposition --threshold\n"
          "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge\n"
          "  --compensator none|log-ratio|merge-count --allocation uniform|adakv\n"
          "generate, eval: --layer-budgets uniform|pyramid [--pyramid-beta 20]\n"

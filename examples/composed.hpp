@@ -15,7 +15,7 @@ namespace kvc::cli {
 
 using ComposedScorer = OneOf<Position, AttentionMass, ValueWeighted, KeyNorm, LastQueryAttention, KeyDiversity,
                              LocalLeverage, LagRelative>;
-using ComposedSelector = OneOf<TopK<>, TopChunks<>, KeepAll>;
+using ComposedSelector = OneOf<TopK<>, TopChunks<>, KeepAll, ThresholdSelect<>>;
 using ComposedRouter = OneOf<NoRoute, BucketRouter<>>;
 using ComposedMerger = OneOf<Drop, SoftGate, MergeAll, RidgeMerge>;
 using ComposedCompensator = OneOf<NoCompensation, AttentionRatio, MergeCount>;

@@ -18,7 +18,7 @@ struct MethodOptions {
   std::optional<std::string> route, selection, pooling;
   /// Stages swapped into the method (composed.hpp): --scorer METHOD, --merger, --compensator, --allocation.
   std::optional<std::string> scorer, merger, compensator, allocation;
-  std::optional<double> alpha, lambda, beta, r_max;
+  std::optional<double> alpha, lambda, beta, r_max, threshold;
   std::optional<bool> safeguard, reposition;
   double rope_theta = 10000.0;  // the model's RoPE base (used when repositioning)
 };
@@ -29,7 +29,7 @@ inline const std::vector<std::string>& method_names() {
   static const std::vector<std::string> names = {"full",           "streaming", "snapkv", "selkv-evict", "selkv",
                                                  "selkv-mergeall", "knorm",     "tova",   "keydiff",     "adakv-snapkv",
                                                  "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming",
-                                                 "cur",            "lagkv",     "chunkkv"};
+                                                 "cur",            "lagkv",     "chunkkv",     "threshold"};
   return names;
 }
 
@@ -37,6 +37,8 @@ namespace detail {
 
 template <class A, class = void> struct has_pool : std::false_type {};
 template <class A> struct has_pool<A, std::void_t<decltype(A{}.pool_kernel)>> : std::true_type {};
+template <class A, class = void> struct has_threshold : std::false_type {};
+template <class A> struct has_threshold<A, std::void_t<decltype(A{}.threshold)>> : std::true_type {};
 template <class A, class = void> struct has_bucket : std::false_type {};
 template <class A> struct has_bucket<A, std::void_t<decltype(A{}.bucket)>> : std::true_type {};
 template <class A, class = void> struct has_alpha : std::false_type {};
@@ -69,7 +71,16 @@ void apply_selector(A& a, const MethodOptions& o, const std::string& method) {
       else if (*o.selection == "per-head" || *o.selection == "per_head") a.granularity = Granularity::per_head;
       else throw std::invalid_argument("--selection must be shared or per-head, got '" + *o.selection + "'");
     }
+    if (o.threshold) not_applicable("threshold", method);
+  } else if constexpr (has_threshold<A>::value) {
+    if (o.threshold) a.threshold = *o.threshold;
+    if (o.recent) a.recent = *o.recent;
+    if (o.pool) not_applicable("pool", method);
+    if (o.pooling) not_applicable("pooling", method);
+    if (o.sinks) not_applicable("sinks", method);
+    if (o.selection) not_applicable("selection", method);
   } else {
+    if (o.threshold) not_applicable("threshold", method);
     if (o.pool) not_applicable("pool", method);
     if (o.pooling) not_applicable("pooling", method);
     if (o.recent) not_applicable("recent", method);
@@ -163,6 +174,7 @@ auto visit_method(const std::string& name, F&& f) {
   if (name == "cur") return f(PresetTag<CUR>{});
   if (name == "lagkv") return f(PresetTag<LagKV>{});
   if (name == "chunkkv") return f(PresetTag<ChunkKV>{});
+  if (name == "threshold") return f(PresetTag<Threshold>{});
   if (name == "adakv-snapkv") return f(PresetTag<AdaKVSnapKV>{});
   if (name == "adakv-selkv") return f(PresetTag<AdaKVSelKV>{});
   if (name == "grkv") return f(PresetTag<SnapKVGRKV>{});

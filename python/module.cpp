@@ -113,7 +113,7 @@ void same_dtype(const Input& a, const char* an, const Input& b, const char* bn) 
 
 const char* const kOptionNames =
     "pool, pooling, recent, sinks, bucket, route, selection, alpha, r_max, lambda (or lambda_), beta, steps, "
-    "safeguard, reposition, scorer, merger, compensator, allocation";
+    "safeguard, reposition, threshold, scorer, merger, compensator, allocation";
 
 std::string type_name(py::handle v) { return py::str(py::type::of(v).attr("__name__")); }
 
@@ -172,6 +172,7 @@ cli::MethodOptions method_options(const py::kwargs& kwargs) {
     else if (key == "allocation") o.allocation = as_text(key, v);
     else if (key == "alpha") o.alpha = as_number(key, v);
     else if (key == "r_max") o.r_max = as_number(key, v);
+    else if (key == "threshold") o.threshold = as_number(key, v);
     else if (key == "beta") o.beta = as_number(key, v);
     else if (key == "lambda" || key == "lambda_") {
       if (has_lambda) throw py::type_error("give either lambda or lambda_, not both");

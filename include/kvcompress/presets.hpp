@@ -14,6 +14,7 @@
 #include "kvcompress/scorer/last_query_attention.hpp"
 #include "kvcompress/scorer/local_leverage.hpp"
 #include "kvcompress/scorer/scorers.hpp"
+#include "kvcompress/selector/threshold.hpp"
 #include "kvcompress/selector/top_chunks.hpp"
 #include "kvcompress/selector/top_k.hpp"
 
@@ -60,6 +61,10 @@ using LagKV = Pipeline<LagRelative, TopK<>, NoRoute, Drop, NoCompensation>;
 /// ChunkKV over SnapKV: SnapKV's scores, pooling and recent window, then whole 20-token chunks by
 /// their mean score, the same positions for every KV head.
 using ChunkKV = Pipeline<AttentionMass, TopChunks<20, 0, 32, 5>, NoRoute, Drop, NoCompensation>;
+
+/// Threshold (kvpress's ThresholdPress over SnapKV's scores): every token whose window attention mass
+/// reaches τ (selector.threshold, default 0.02), and the 64 newest; the budget caps the count.
+using Threshold = Pipeline<AttentionMass, ThresholdSelect<64>, NoRoute, Drop, NoCompensation>;
 
 /// AdaKV over SnapKV: the layer's Hkv·m entries shared out by one top-k over every head's window
 /// mass (each head keeps at least a fifth of m), then SnapKV's selection per head.

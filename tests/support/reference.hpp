@@ -945,4 +945,23 @@ inline std::vector<double> pyramid_exact(long L, long n, long m, long w, double 
   return out;
 }
 
+/// Threshold selection (kvpress ThresholdPress) per KV head, written from its definition: the set
+/// {the r newest} ∪ {j : score ≥ τ} (NaN never qualifies), the newest token when that is empty; when it
+/// exceeds the cap m, the r newest (newest first) and then the highest scores (lower position first on
+/// ties) up to m. Returns the kept positions ascending.
+inline std::vector<long> select_threshold(const Eigen::VectorXd& s, double tau, long recent, long cap) {
+  const long n = s.size(), r = std::min(recent, n), m = std::min(cap, n);
+  std::vector<long> forced, rest;
+  for (long j = n - 1; j >= n - r; --j) forced.push_back(j);
+  for (long j = 0; j < n - r; ++j)
+    if (s[j] >= tau) rest.push_back(j);
+  if (forced.empty() && rest.empty()) return {n - 1};
+  std::stable_sort(rest.begin(), rest.end(), [&](long a, long b) { return s[a] > s[b]; });
+  std::vector<long> all = forced;
+  all.insert(all.end(), rest.begin(), rest.end());
+  if (static_cast<long>(all.size()) > m) all.resize(static_cast<std::size_t>(m));
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
 }  // namespace kvc::ref

@@ -15,6 +15,7 @@
 #include "kvcompress/merger/ridge.hpp"
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/policy.hpp"
+#include "kvcompress/decoding.hpp"
 #include "kvcompress/metrics.hpp"
 #include "kvcompress/model.hpp"
 #include "kvcompress/one_of.hpp"

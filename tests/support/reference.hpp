@@ -62,8 +62,9 @@ struct Tensor3 {
 
 /// Router statistic (SPEC §6); the functions take it as `int`.
 enum RouteStat : int { RouteKeyCosine = 0, RouteWindowMass = 1, RouteCoAttention = 2 };
-/// Merger kind (SPEC §7); the functions take it as `int`.
-enum MergeKind : int { MergeDrop = 0, MergeAll = 1, MergeSoftGate = 2 };
+/// Merger kind (SPEC §7): `merge` takes the first three as `int`; merge_nearest_key and merge_cam
+/// compute the last two (docs/methods.md).
+enum MergeKind : int { MergeDrop = 0, MergeAll = 1, MergeSoftGate = 2, MergeNearestKey = 3, MergeCam = 4 };
 
 // ----------------------------------------------------------------------------------------------------
 // Small helpers

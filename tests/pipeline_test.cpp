@@ -220,6 +220,22 @@ TEMPLATE_TEST_CASE("the merge presets after SnapKV's eviction match the referenc
     check_preset<SnapKVNearestKey, TestType>("SnapKVNearestKey", kSnapKVNearestKey, f, layout, kTol.float_vs_double);
     check_preset<SnapKVCAM, TestType>("SnapKVCAM", kSnapKVCAM, f, layout, kTol.float_vs_double);
   }
+  kvc::test::LayerBuffers<TestType> b(f.K, f.V, f.Q, Layout::head_major);
+  SECTION("m >= n: nothing evicted, the same result as SnapKV's eviction alone") {
+    const auto evict = SnapKV{}.run(b.view(), Budget::tokens(f.n));
+    check_identical(SnapKVNearestKey{}.run(b.view(), Budget::tokens(f.n)), evict);
+    check_identical(SnapKVCAM{}.run(b.view(), Budget::tokens(f.n + 5)), evict);
+  }
+  SECTION("m = 0 and bad merger options are errors") {
+    CHECK_THROWS_AS(SnapKVNearestKey{}.run(b.view(), Budget::tokens(0)), kvc::error);
+    CHECK_THROWS_AS(SnapKVCAM{}.run(b.view(), Budget::tokens(0)), kvc::error);
+    SnapKVNearestKey::Arguments nk;
+    nk.merger.threshold = 2.0;
+    CHECK_THROWS_WITH(SnapKVNearestKey(nk).run(b.view(), Budget::tokens(10)), Catch::Contains("merger.threshold"));
+    SnapKVCAM::Arguments cam;
+    cam.merger.window = 0;
+    CHECK_THROWS_WITH(SnapKVCAM(cam).run(b.view(), Budget::tokens(10)), Catch::Contains("merger.window"));
+  }
 }
 
 TEST_CASE("presets on half and bfloat16 inputs match the reference on the stored values", "[pipeline][half]") {

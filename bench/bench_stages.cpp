@@ -339,6 +339,43 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
   set_layer_counters(state, n, per);
 }
 
+/// A merger after per-head selection (recent 32, pool 5, budget n/4, on SelKV's scores of the layer),
+/// all KV heads: Router then Merger per head, with the selection and mass computed once outside the
+/// timing. The kept rows are gathered once into one set of buffers per head before the timing; later
+/// iterations merge into the previous iteration's values, the same work. SnapKVNearestKey's stages
+/// (global key-cosine routing, O((n − m)·m·d)) and SnapKVCAM's (no routing).
+template <class Router, class Merger>
+void BM_Merge(benchmark::State& state) {
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const Index H = layer.kv_heads(), d = layer.head_dim();
+  const auto& mass = selkv_scores(n).mass;
+  Selection<float> sel;
+  TopK<0, 32, 5>{}.select(selkv_scores(n).score, std::vector<Index>(H, n / 4), sel);
+  const AttentionArguments att;
+  std::vector<MergeOutput<float>> merged(static_cast<std::size_t>(H));
+  for (Index g = 0; g < H; ++g) {
+    const Index m = Index(sel.kept[g].size());
+    merged[g].keys.resize(m, d);
+    merged[g].values.resize(m, d);
+    for (Index i = 0; i < m; ++i)
+      for (Index c = 0; c < d; ++c) {
+        merged[g].keys(i, c) = layer.keys.row(g, sel.kept[g][i])[c];
+        merged[g].values(i, c) = layer.values.row(g, sel.kept[g][i])[c];
+      }
+  }
+  Routing routing;
+  const double per = time_iterations(state, [&] {
+    for (Index g = 0; g < H; ++g) {
+      HeadContext<float> ctx(layer, g, att, mass[g], sel.score[g], sel.kept[g], sel.evicted[g]);
+      Router{}.route(ctx, routing);
+      Merger{}.merge(ctx, routing, merged[g]);
+      benchmark::DoNotOptimize(merged[g].values.data());
+    }
+  });
+  set_layer_counters(state, n, per);
+}
+
 /// Pipeline::validate's input scan (shapes + NaN/Inf in K, V and the window queries; core.hpp), the
 /// fixed cost every preset pays with the default check_finite = true.
 void BM_ValidateLayer(benchmark::State& state) {
@@ -380,5 +417,8 @@ BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared, true)->Apply(kvc::bench:
 BENCHMARK(BM_SelectChunks)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_SelectThreshold)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_RouteMergeCompensate)->Apply(kvc::bench::layer_sizes);
+// Global routing is quadratic in n: the smallest layer only.
+BENCHMARK_TEMPLATE(BM_Merge, kvc::BucketRouter<0>, kvc::NearestKeyMerge)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_Merge, kvc::NoRoute, kvc::CacheMerge)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_ValidateLayer)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_StreamSum)->Apply(kvc::bench::layer_sizes);

@@ -60,6 +60,10 @@ template <class A, class = void> struct has_window_scorer_args : std::false_type
 template <class A> struct has_window_scorer_args<A, std::void_t<decltype(A{}.scorer.window)>> : std::true_type {};
 template <class A, class = void> struct has_lag_args : std::false_type {};
 template <class A> struct has_lag_args<A, std::void_t<decltype(A{}.scorer.lag)>> : std::true_type {};
+template <class A, class = void> struct has_threshold_args : std::false_type {};
+template <class A> struct has_threshold_args<A, std::void_t<decltype(A{}.merger.threshold)>> : std::true_type {};
+template <class A, class = void> struct has_merge_window_args : std::false_type {};
+template <class A> struct has_merge_window_args<A, std::void_t<decltype(A{}.merger.window)>> : std::true_type {};
 template <class A, class = void> struct has_floor_args : std::false_type {};
 template <class A> struct has_floor_args<A, std::void_t<decltype(A{}.allocator.floor)>> : std::true_type {};
 
@@ -124,6 +128,9 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.merger.cg_max_iterations = pick_index(p, 0, 100, false);
     a.merger.safeguard = p.ConsumeBool();
   }
+  if constexpr (has_threshold_args<Args>::value)  // NearestKeyMerge
+    a.merger.threshold = pick(p, {0.0, 0.5, 1.0, -0.1, 1.5, std::numeric_limits<double>::quiet_NaN()});
+  if constexpr (has_merge_window_args<Args>::value) a.merger.window = pick_index(p, 0, n + 2);  // CacheMerge
   if constexpr (has_floor_args<Args>::value) a.allocator.floor = pick(p, {0.2, 0.0, 1.0, 0.5, -0.1, 1.5});
   if (p.ConsumeBool()) {
     a.reposition.enabled = true;
@@ -151,6 +158,9 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
                  static_cast<long long>(a.merger.steps), int(a.merger.order), int(a.merger.value_step),
                  int(a.merger.key_step), a.merger.cg_tolerance, static_cast<long long>(a.merger.cg_max_iterations),
                  int(a.merger.safeguard));
+  if constexpr (has_threshold_args<Args>::value) std::fprintf(stderr, "; merger threshold %g", a.merger.threshold);
+  if constexpr (has_merge_window_args<Args>::value)
+    std::fprintf(stderr, "; merger window %lld", static_cast<long long>(a.merger.window));
   if (a.reposition.enabled)
     std::fprintf(stderr, "; reposition layout %d theta %g rotary_dim %lld", int(a.reposition.layout),
                  a.reposition.theta, static_cast<long long>(a.reposition.rotary_dim));
@@ -328,6 +338,8 @@ void run_all(FuzzedDataProvider& p) {
   run_preset<kvc::CUR>("CUR", layer, budget, p);
   run_preset<kvc::LagKV>("LagKV", layer, budget, p);
   run_preset<kvc::ChunkKV>("ChunkKV", layer, budget, p);
+  run_preset<kvc::SnapKVNearestKey>("SnapKVNearestKey", layer, budget, p);
+  run_preset<kvc::SnapKVCAM>("SnapKVCAM", layer, budget, p);
 }
 
 }  // namespace

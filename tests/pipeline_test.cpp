@@ -64,6 +64,8 @@ const RefSpec kSelKVEvict{kValueWeighted, 0, 16, 5, true};
 const RefSpec kSelKV{kValueWeighted, 0, 16, 5, true, true, ref::RouteKeyCosine, 32, ref::MergeSoftGate, kRatio};
 const RefSpec kSelKVMergeAll{kValueWeighted, 0, 16, 5, true, true, ref::RouteKeyCosine, 32, ref::MergeAll, kRatio};
 const RefSpec kKNorm{kKeyNorm, 0, 32, 0, false};
+const RefSpec kSnapKVNearestKey{kMass, 0, 32, 5, false, true, ref::RouteKeyCosine, 0, ref::MergeNearestKey};
+const RefSpec kSnapKVCAM{kMass, 0, 32, 5, false, false, ref::RouteKeyCosine, 32, ref::MergeCam};
 
 struct RefResult {
   std::vector<ref::CompressedHead> heads;
@@ -88,7 +90,9 @@ RefResult ref_run(const ref::Tensor3& K, const ref::Tensor3& V, const ref::Tenso
     const auto& kg = kept[static_cast<std::size_t>(g)];
     std::vector<long> route(static_cast<std::size_t>(n), kg[0]);
     if (s.routed) route = ref::route(g, kg, n, s.stat, s.bucket, K, a, probs, G);
-    const ref::Merged mg = ref::merge(g, kg, route, K, V, a, s.routed ? s.merge : ref::MergeDrop);
+    const ref::Merged mg = s.merge == ref::MergeNearestKey ? ref::merge_nearest_key(g, kg, route, K, V, 0.0)
+                           : s.merge == ref::MergeCam      ? ref::merge_cam(g, kg, K, V, a, 32)
+                                                           : ref::merge(g, kg, route, K, V, a, s.routed ? s.merge : ref::MergeDrop);
     std::vector<double> bias(kg.size(), 0.0);
     if (s.routed && s.comp == kRatio) bias = ref::bias_attention_ratio(g, kg, route, mg.gate, a, s.alpha, s.r_max);
     if (s.routed && s.comp == kCount) bias = ref::bias_merge_count(kg, route, mg.gate);
@@ -183,7 +187,8 @@ void check_preset(const char* name, const RefSpec& spec, const Data& f, Layout l
       CHECK(dg.merged == merged);
       CHECK(kvc::test::within(dg.gate_mean, sum / double(gates.size()), kTol.float_vs_double.values));
       if (spec.merge == ref::MergeAll) CHECK(dg.merged == dg.evicted);
-      if (!spec.routed) CHECK(dg.merged == 0);
+      if (!spec.routed && spec.merge == ref::MergeDrop) CHECK(dg.merged == 0);
+      if (spec.merge == ref::MergeNearestKey || spec.merge == ref::MergeCam) CHECK(dg.merged > 0);
     }
   }
 }
@@ -205,6 +210,32 @@ TEMPLATE_TEST_CASE("every preset matches the reference chain (budgets, diagnosti
   INFO("seed " << kvc::test::test_seed());
   Data f(401);
   check_all_presets<TestType>(f, Layout::head_major, kTol.float_vs_double);
+}
+
+TEMPLATE_TEST_CASE("the merge presets after SnapKV's eviction match the reference chain", "[pipeline][presets][merge]",
+                   float, double) {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(404);
+  for (Layout layout : {Layout::head_major, Layout::token_major}) {
+    check_preset<SnapKVNearestKey, TestType>("SnapKVNearestKey", kSnapKVNearestKey, f, layout, kTol.float_vs_double);
+    check_preset<SnapKVCAM, TestType>("SnapKVCAM", kSnapKVCAM, f, layout, kTol.float_vs_double);
+  }
+  kvc::test::LayerBuffers<TestType> b(f.K, f.V, f.Q, Layout::head_major);
+  SECTION("m >= n: nothing evicted, the same result as SnapKV's eviction alone") {
+    const auto evict = SnapKV{}.run(b.view(), Budget::tokens(f.n));
+    check_identical(SnapKVNearestKey{}.run(b.view(), Budget::tokens(f.n)), evict);
+    check_identical(SnapKVCAM{}.run(b.view(), Budget::tokens(f.n + 5)), evict);
+  }
+  SECTION("m = 0 and bad merger options are errors") {
+    CHECK_THROWS_AS(SnapKVNearestKey{}.run(b.view(), Budget::tokens(0)), kvc::error);
+    CHECK_THROWS_AS(SnapKVCAM{}.run(b.view(), Budget::tokens(0)), kvc::error);
+    SnapKVNearestKey::Arguments nk;
+    nk.merger.threshold = 2.0;
+    CHECK_THROWS_WITH(SnapKVNearestKey(nk).run(b.view(), Budget::tokens(10)), Catch::Contains("merger.threshold"));
+    SnapKVCAM::Arguments cam;
+    cam.merger.window = 0;
+    CHECK_THROWS_WITH(SnapKVCAM(cam).run(b.view(), Budget::tokens(10)), Catch::Contains("merger.window"));
+  }
 }
 
 TEST_CASE("presets on half and bfloat16 inputs match the reference on the stored values", "[pipeline][half]") {

@@ -5,7 +5,9 @@
 //   TopChunks<chunk, sinks, recent, avg-pool kernel, granularity>
 #pragma once
 #include "kvcompress/compensator/compensators.hpp"
+#include "kvcompress/merger/cache_merge.hpp"
 #include "kvcompress/merger/gated_merge.hpp"
+#include "kvcompress/merger/nearest_key_merge.hpp"
 #include "kvcompress/merger/ridge.hpp"
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/router/bucket_router.hpp"
@@ -73,6 +75,14 @@ using AdaKVSnapKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, Drop, NoCom
 /// AdaKV over SelKV: SelKV's scores, routing, soft gate and bias with per-head selection (shared
 /// selection needs equal budgets).
 using AdaKVSelKV = Pipeline<ValueWeighted, TopK<0, 16, 5>, BucketRouter<32>, SoftGate, AttentionRatio, AdaKV>;
+
+/// SnapKV's eviction, each evicted value folded into the kept token of most similar key (global
+/// key-cosine routing), weighted by that cosine and the value norms (kvpress MergingPress).
+using SnapKVNearestKey = Pipeline<AttentionMass, TopK<0, 32, 5>, BucketRouter<0>, NearestKeyMerge, NoCompensation>;
+
+/// SnapKV's eviction, each evicted value spread over the next 32 kept tokens with weight
+/// min(a_e / mean window mass, 1) (CaM, in expectation).
+using SnapKVCAM = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, CacheMerge, NoCompensation>;
 
 /// GRKV after SnapKV eviction (the paper's main setting): ridge re-fit of the kept values, then keys.
 using SnapKVGRKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, RidgeMerge, NoCompensation>;

@@ -62,8 +62,9 @@ struct Tensor3 {
 
 /// Router statistic (SPEC §6); the functions take it as `int`.
 enum RouteStat : int { RouteKeyCosine = 0, RouteWindowMass = 1, RouteCoAttention = 2 };
-/// Merger kind (SPEC §7); the functions take it as `int`.
-enum MergeKind : int { MergeDrop = 0, MergeAll = 1, MergeSoftGate = 2 };
+/// Merger kind (SPEC §7): `merge` takes the first three as `int`; merge_nearest_key and merge_cam
+/// compute the last two (docs/methods.md).
+enum MergeKind : int { MergeDrop = 0, MergeAll = 1, MergeSoftGate = 2, MergeNearestKey = 3, MergeCam = 4 };
 
 // ----------------------------------------------------------------------------------------------------
 // Small helpers
@@ -706,6 +707,92 @@ inline Merged merge(long g, const std::vector<long>& kept, const std::vector<lon
     const long i = kept[static_cast<std::size_t>(e)];
     const double ai = std::max(a(g, i), tau);
     for (long k = 0; k < d; ++k) out.values(e, k) = (ai * V.at(g, i, k) + num(e, k)) / (ai + den(e));
+  }
+  return out;
+}
+
+/// Nearest-key merge (kvpress MergingPress; docs/methods.md) for KV head g. route: n kept positions
+/// (from `route` with RouteKeyCosine, bucket 0: the kept key of largest cosine). For evicted j with
+/// target t = route[j]:
+///   w_j = max(cos(k_j, k_t), 0)·‖v_j‖ / (‖v_j‖ + ‖v_t‖), and 0 when cos(k_j, k_t) < threshold or ‖v_j‖ = 0
+///   ṽ_t = (v_t + Σ_{route[j]=t} w_j·v_j) / (1 + Σ_{route[j]=t} w_j)       (v_t: the original value)
+/// Keys copied unchanged; an entry with Σ w_j = 0 keeps v_t. gate[j] = w_j. O(n·d).
+inline Merged merge_nearest_key(long g, const std::vector<long>& kept, const std::vector<long>& route,
+                                const Tensor3& K, const Tensor3& V, double threshold) {
+  const long n = K.n, d = K.d, m = static_cast<long>(kept.size());
+  require(static_cast<long>(route.size()) == n, "route must have n entries");
+  Merged out;
+  out.keys.resize(m, d);
+  out.values.resize(m, d);
+  out.gate.assign(static_cast<std::size_t>(n), 0.0);
+  std::vector<long> entry_of(static_cast<std::size_t>(n), -1);
+  for (long e = 0; e < m; ++e) {
+    const long i = kept[static_cast<std::size_t>(e)];
+    entry_of[static_cast<std::size_t>(i)] = e;
+    for (long k = 0; k < d; ++k) {
+      out.keys(e, k) = K.at(g, i, k);
+      out.values(e, k) = V.at(g, i, k);
+    }
+  }
+  Eigen::MatrixXd num = Eigen::MatrixXd::Zero(m, d);  // Σ w_j v_j per entry
+  Eigen::VectorXd den = Eigen::VectorXd::Zero(m);     // Σ w_j per entry
+  for (long j = 0; j < n; ++j) {
+    if (entry_of[static_cast<std::size_t>(j)] >= 0) continue;  // kept
+    const long t = route[static_cast<std::size_t>(j)];
+    const long e = entry_of[static_cast<std::size_t>(t)];
+    require(e >= 0, "route target is not a kept position");
+    const double c = cosine(K.vec(g, j), K.vec(g, t), d);
+    const double nj = norm2(V.vec(g, j), d), nt = norm2(V.vec(g, t), d);
+    const double w = (c < threshold || nj == 0.0) ? 0.0 : std::max(c, 0.0) * nj / (nj + nt);
+    out.gate[static_cast<std::size_t>(j)] = w;
+    for (long k = 0; k < d; ++k) num(e, k) += w * V.at(g, j, k);
+    den(e) += w;
+  }
+  for (long e = 0; e < m; ++e) {
+    if (den(e) == 0.0) continue;
+    for (long k = 0; k < d; ++k) out.values(e, k) = (out.values(e, k) + num(e, k)) / (1.0 + den(e));
+  }
+  return out;
+}
+
+/// CaM (docs/methods.md) for KV head g, its Bernoulli merge replaced by the expectation. For evicted j,
+/// window(j) = the first min(B, #kept after j) kept positions after j (b_j of them):
+///   p_j = min(a_j / ā_j, 1),  ā_j = (1/b_j)·Σ_{t∈window(j)} a_t;  p_j = 0 when a_j = 0 or b_j = 0,
+///   p_j = 1 when a_j > 0 = ā_j
+///   ṽ_t = v_t + Σ_{j: t∈window(j)} (p_j / b_j)·v_j
+/// Keys copied unchanged. gate[j] = p_j. Written per evicted token, O(n·B·d).
+inline Merged merge_cam(long g, const std::vector<long>& kept, const Tensor3& K, const Tensor3& V,
+                        const Eigen::MatrixXd& a, long B) {
+  require(B >= 1, "the window must be >= 1");
+  const long n = K.n, d = K.d, m = static_cast<long>(kept.size());
+  Merged out;
+  out.keys.resize(m, d);
+  out.values.resize(m, d);
+  out.gate.assign(static_cast<std::size_t>(n), 0.0);
+  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
+  for (long e = 0; e < m; ++e) {
+    const long i = kept[static_cast<std::size_t>(e)];
+    is_kept[static_cast<std::size_t>(i)] = 1;
+    for (long k = 0; k < d; ++k) {
+      out.keys(e, k) = K.at(g, i, k);
+      out.values(e, k) = V.at(g, i, k);
+    }
+  }
+  for (long j = 0; j < n; ++j) {
+    if (is_kept[static_cast<std::size_t>(j)]) continue;
+    std::vector<long> window;  // entries (indices into kept)
+    for (long e = 0; e < m && static_cast<long>(window.size()) < B; ++e)
+      if (kept[static_cast<std::size_t>(e)] > j) window.push_back(e);
+    if (window.empty()) continue;
+    const double b = static_cast<double>(window.size());
+    double mean = 0.0;
+    for (long e : window) mean += a(g, kept[static_cast<std::size_t>(e)]);
+    mean /= b;
+    double p = 0.0;
+    if (a(g, j) > 0.0) p = mean == 0.0 ? 1.0 : std::min(a(g, j) / mean, 1.0);
+    out.gate[static_cast<std::size_t>(j)] = p;
+    for (long e : window)
+      for (long k = 0; k < d; ++k) out.values(e, k) += p / b * V.at(g, j, k);
   }
   return out;
 }

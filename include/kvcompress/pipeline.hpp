@@ -60,6 +60,14 @@ struct has_score<P, std::void_t<decltype(std::declval<const P&>().score(std::dec
                                                                           std::declval<Vector<float>&>()))>>
     : std::true_type {};
 
+/// Whether a scorer also checks the layer itself (`Status validate(const LayerView<T>&) const`): what
+/// it needs of the input beyond the shapes every policy needs (ObservedAttention: every prefill query).
+template <class P, class T, class = void>
+struct has_validate_layer : std::false_type {};
+template <class P, class T>
+struct has_validate_layer<P, T, std::void_t<decltype(std::declval<const P&>().validate(std::declval<const LayerView<T>&>()))>>
+    : std::true_type {};
+
 template <class P, class... Extra>
 using select_call = decltype(std::declval<const P&>().select(std::declval<const std::vector<Vector<float>>&>(),
                                                              std::declval<const std::vector<Index>&>(),
@@ -363,7 +371,8 @@ class Pipeline {
     for (Index g = 0; g < H; ++g) KVC_RETURN_IF_ERROR(merger().validate(layer.tokens(), budget_of(g)));
     KVC_RETURN_IF_ERROR(compensator().validate());
     KVC_RETURN_IF_ERROR(allocator().validate());
-    KVC_RETURN_IF_ERROR(args_.reposition.validate(layer.head_dim()));
+    KVC_RETURN_IF_ERROR(args_.reposition.validate(layer.head_dim(), ScorerTraits::reads_rope));
+    if constexpr (detail::has_validate_layer<Scorer, T>::value) KVC_RETURN_IF_ERROR(scorer().validate(layer));
     if (selector().shares_positions() && !allocator().keeps_budgets())
       return Status::fail(Status::Code::invalid_argument,
                           "this allocator gives KV heads different budgets: pair it with per-head selection, "

@@ -18,7 +18,7 @@ struct MethodOptions {
   std::optional<std::string> route, selection, pooling;
   std::optional<double> alpha, lambda, beta, r_max;
   std::optional<bool> safeguard, reposition;
-  double rope_theta = 10000.0;  // the model's RoPE base (used when repositioning)
+  double rope_theta = 10000.0;  // the model's RoPE base (repositioning, expected-attention)
 };
 
 using Compressor = std::function<LayerResult<float>(const LayerView<float>&, const Budget&)>;
@@ -27,7 +27,8 @@ inline const std::vector<std::string>& method_names() {
   static const std::vector<std::string> names = {"full",           "streaming", "snapkv", "selkv-evict", "selkv",
                                                  "selkv-mergeall", "knorm",     "tova",   "keydiff",     "adakv-snapkv",
                                                  "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming",
-                                                 "cur",            "lagkv",     "chunkkv"};
+                                                 "cur",            "lagkv",     "chunkkv",   "expected-attention",
+                                                 "observed-attention"};
   return names;
 }
 
@@ -105,10 +106,8 @@ void apply(Args& a, const MethodOptions& o, const std::string& method) {
     if (o.steps) not_applicable("steps", method);
     if (o.safeguard) not_applicable("safeguard", method);
   }
-  if (o.reposition && *o.reposition) {
-    a.reposition.enabled = true;
-    a.reposition.theta = o.rope_theta;
-  }
+  a.reposition.theta = o.rope_theta;  // the keys' RoPE, also read by expected-attention's scorer
+  if (o.reposition && *o.reposition) a.reposition.enabled = true;
 }
 
 }  // namespace detail
@@ -136,6 +135,8 @@ auto visit_method(const std::string& name, F&& f) {
   if (name == "cur") return f(PresetTag<CUR>{});
   if (name == "lagkv") return f(PresetTag<LagKV>{});
   if (name == "chunkkv") return f(PresetTag<ChunkKV>{});
+  if (name == "expected-attention") return f(PresetTag<ExpectedAttentionEvict>{});
+  if (name == "observed-attention") return f(PresetTag<H2O>{});
   if (name == "adakv-snapkv") return f(PresetTag<AdaKVSnapKV>{});
   if (name == "adakv-selkv") return f(PresetTag<AdaKVSelKV>{});
   if (name == "grkv") return f(PresetTag<SnapKVGRKV>{});

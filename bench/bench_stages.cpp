@@ -2,6 +2,8 @@
 // Eigen Qw·K^T of the same layer, measured in this process) and tokens/s; plus the probes.
 #include "bench_common.hpp"
 #include <map>
+#include <random>
+#include <vector>
 
 namespace {
 
@@ -221,6 +223,34 @@ void BM_Score(benchmark::State& state) {
   state.counters["bytes/s"] = double(layer.kv_heads() * n * layer.head_dim() * 4) / per;
 }
 
+/// ObservedAttention (H2O) reads every prefill query: the benchmark layer's K and V with Hq·n random
+/// queries (built once per n), at sizes where its O(n²·d) cost stays short. x_gemm is against the
+/// window product (W = 32) at the same n.
+void BM_ScoreObserved(benchmark::State& state) {
+  const Index n = state.range(0);
+  const BenchLayer& base = layer_of(n);
+  static std::map<Index, std::vector<float>> all_queries;
+  std::vector<float>& q = all_queries[n];
+  if (q.empty()) {
+    std::mt19937_64 rng(11);
+    std::normal_distribution<float> normal;
+    q.resize(static_cast<std::size_t>(base.query_heads * n * base.dim));
+    for (float& x : q) x = normal(rng);
+  }
+  LayerView<float> layer = base.view();
+  layer.queries = make_head_major<const float>(q.data(), base.query_heads, n, base.dim);
+  const Vector<float> mass = Vector<float>::Zero(n);
+  Vector<float> out;
+  const AttentionArguments attention;
+  const double per = time_iterations(state, [&] {
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      ObservedAttention{}.score(ScoreContext<float>(layer, g, attention, mass), out);
+      benchmark::DoNotOptimize(out.data());
+    }
+  });
+  set_layer_counters(state, n, per);
+}
+
 /// SelKV's window mass and scores (ValueWeighted) of every KV head of the benchmark layer at n,
 /// computed once per n (default attention arguments).
 struct LayerScores {
@@ -411,6 +441,8 @@ BENCHMARK_TEMPLATE(BM_Score, kvc::ValueWeighted)->Apply(kvc::bench::layer_sizes)
 BENCHMARK_TEMPLATE(BM_Score, kvc::KeyNorm)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::LocalLeverage)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::LagRelative)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Score, kvc::ExpectedAttention)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_ScoreObserved)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::per_head)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared, true)->Apply(kvc::bench::layer_sizes);

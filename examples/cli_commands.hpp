@@ -536,7 +536,7 @@ inline std::string usage() {
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
          "  --lambda --beta --steps --safeguard --reposition --threshold\n"
-         "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge\n"
+         "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge|nearest-key|cam\n"
          "  --compensator none|log-ratio|merge-count --allocation uniform|adakv\n"
          "generate, eval: --layer-budgets uniform|pyramid [--pyramid-beta 20]\n"
          "methods:" + methods + "\n";

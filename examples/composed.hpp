@@ -14,10 +14,10 @@
 namespace kvc::cli {
 
 using ComposedScorer = OneOf<Position, AttentionMass, ValueWeighted, KeyNorm, LastQueryAttention, KeyDiversity,
-                             LocalLeverage, LagRelative>;
+                             LocalLeverage, LagRelative, ExpectedAttention, ObservedAttention>;
 using ComposedSelector = OneOf<TopK<>, TopChunks<>, KeepAll, ThresholdSelect<>>;
 using ComposedRouter = OneOf<NoRoute, BucketRouter<>>;
-using ComposedMerger = OneOf<Drop, SoftGate, MergeAll, RidgeMerge>;
+using ComposedMerger = OneOf<Drop, SoftGate, MergeAll, RidgeMerge, NearestKeyMerge, CacheMerge>;
 using ComposedCompensator = OneOf<NoCompensation, AttentionRatio, MergeCount>;
 using ComposedAllocator = OneOf<UniformBudget, AdaKV>;
 using Composed = Pipeline<ComposedScorer, ComposedSelector, ComposedRouter, ComposedMerger, ComposedCompensator,
@@ -25,7 +25,7 @@ using Composed = Pipeline<ComposedScorer, ComposedSelector, ComposedRouter, Comp
 
 /// The names --merger and --compensator take.
 inline const std::vector<std::string>& merger_names() {
-  static const std::vector<std::string> names = {"drop", "merge-all", "soft-gate", "ridge"};
+  static const std::vector<std::string> names = {"drop", "merge-all", "soft-gate", "ridge", "nearest-key", "cam"};
   return names;
 }
 inline const std::vector<std::string>& compensator_names() {
@@ -68,9 +68,10 @@ inline bool swaps_stages(const MethodOptions& o) { return o.scorer || o.merger |
 /// Method `method`'s preset as Composed::Arguments with the stages the options name swapped in, then
 /// the options applied to the stages that take them. Rules:
 /// - --scorer M: the scorer of method M (its defaults);
-/// - --merger: drop, merge-all, soft-gate (SelKV's), ridge (GRKV's); a merger that pours evicted tokens
-///   into routed targets (merge-all, soft-gate) gets SelKV's router (32-token buckets, key cosine) when
-///   the method has none, and the others run without one;
+/// - --merger: drop, merge-all, soft-gate (SelKV's), ridge (GRKV's), nearest-key (kvpress MergingPress),
+///   cam (CaM); nearest-key routes every evicted token to its most key-similar kept token (global key
+///   cosine), merge-all and soft-gate get SelKV's router (32-token buckets, key cosine) when the method
+///   has none, and the others run without one;
 /// - --compensator: none, log-ratio (SelKV's α·log R), merge-count (log(1 + merged));
 /// - --allocation: uniform (every KV head keeps m), adakv (AdaKV's per-head budgets; needs per-head
 ///   selection).
@@ -105,8 +106,11 @@ inline Composed::Arguments composed_arguments(const std::string& method, const M
     else if (m == "merge-all") c.merger.policy = MergeAll{};
     else if (m == "soft-gate") c.merger.policy = SoftGate{};
     else if (m == "ridge") c.merger.policy = RidgeMerge{};
+    else if (m == "nearest-key") c.merger.policy = NearestKeyMerge{};
+    else if (m == "cam") c.merger.policy = CacheMerge{};
     else throw std::invalid_argument("--merger must be one of " + detail::choices(merger_names()) + ", got '" + m + "'");
     if (!ComposedMerger{c.merger}.needs_routing()) c.router.policy = NoRoute{};
+    else if (m == "nearest-key") c.router.policy = BucketRouter<>{{0, RouteStatistic::key_cosine}};  // global
     else if (!ComposedRouter{c.router}.routes()) c.router.policy = BucketRouter<>{};
     label += " --merger " + m;
   }

@@ -3,12 +3,19 @@
 #include "runner.hpp"
 
 #include <memory>
+#include <string>
 
 namespace kvc::cli {
 
 Compressor make_method(const std::string& name, const MethodOptions& o) {
   std::shared_ptr<const Runner<float>> runner = make_runner<float>(name, o, 1);  // serial, as the presets default
-  return [runner](const LayerView<float>& layer, const Budget& budget) {
+  const bool needs_all_queries = name == "observed-attention";  // H2O reads every prefill query
+  return [runner, needs_all_queries](const LayerView<float>& layer, const Budget& budget) {
+    if (needs_all_queries && layer.queries.tokens < layer.tokens())
+      throw std::invalid_argument("observed-attention needs the queries of all " + std::to_string(layer.tokens()) +
+                                  " prefill positions, got " + std::to_string(layer.queries.tokens) +
+                                  ": give --window at least the prompt or prefix length (generate, eval), or "
+                                  "--queries of shape [Hq][n][d] (compress)");
     return runner->run(layer, BudgetSpec{false, budget, {}});
   };
 }

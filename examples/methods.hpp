@@ -20,7 +20,7 @@ struct MethodOptions {
   std::optional<std::string> scorer, merger, compensator, allocation;
   std::optional<double> alpha, lambda, beta, r_max, threshold;
   std::optional<bool> safeguard, reposition;
-  double rope_theta = 10000.0;  // the model's RoPE base (used when repositioning)
+  double rope_theta = 10000.0;  // the model's RoPE base (repositioning, expected-attention)
 };
 
 using Compressor = std::function<LayerResult<float>(const LayerView<float>&, const Budget&)>;
@@ -29,7 +29,8 @@ inline const std::vector<std::string>& method_names() {
   static const std::vector<std::string> names = {"full",           "streaming", "snapkv", "selkv-evict", "selkv",
                                                  "selkv-mergeall", "knorm",     "tova",   "keydiff",     "adakv-snapkv",
                                                  "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming",
-                                                 "cur",            "lagkv",     "chunkkv",     "threshold"};
+                                                 "cur",            "lagkv",     "chunkkv",     "threshold",
+                                                 "expected-attention", "observed-attention"};
   return names;
 }
 
@@ -134,10 +135,8 @@ void apply_merger(A& a, const MethodOptions& o, const std::string& method) {
 
 template <class Args>
 void apply_reposition(Args& a, const MethodOptions& o) {
-  if (o.reposition && *o.reposition) {
-    a.reposition.enabled = true;
-    a.reposition.theta = o.rope_theta;
-  }
+  a.reposition.theta = o.rope_theta;  // the keys' RoPE, also read by expected-attention's scorer
+  if (o.reposition && *o.reposition) a.reposition.enabled = true;
 }
 
 template <class Args>
@@ -175,6 +174,8 @@ auto visit_method(const std::string& name, F&& f) {
   if (name == "lagkv") return f(PresetTag<LagKV>{});
   if (name == "chunkkv") return f(PresetTag<ChunkKV>{});
   if (name == "threshold") return f(PresetTag<Threshold>{});
+  if (name == "expected-attention") return f(PresetTag<ExpectedAttentionEvict>{});
+  if (name == "observed-attention") return f(PresetTag<H2O>{});
   if (name == "adakv-snapkv") return f(PresetTag<AdaKVSnapKV>{});
   if (name == "adakv-selkv") return f(PresetTag<AdaKVSelKV>{});
   if (name == "grkv") return f(PresetTag<SnapKVGRKV>{});

@@ -64,6 +64,10 @@ template <class A, class = void> struct has_threshold_args : std::false_type {};
 template <class A> struct has_threshold_args<A, std::void_t<decltype(A{}.merger.threshold)>> : std::true_type {};
 template <class A, class = void> struct has_merge_window_args : std::false_type {};
 template <class A> struct has_merge_window_args<A, std::void_t<decltype(A{}.merger.window)>> : std::true_type {};
+template <class A, class = void> struct has_future_args : std::false_type {};
+template <class A> struct has_future_args<A, std::void_t<decltype(A{}.scorer.future_positions)>> : std::true_type {};
+template <class A, class = void> struct has_block_args : std::false_type {};
+template <class A> struct has_block_args<A, std::void_t<decltype(A{}.scorer.block)>> : std::true_type {};
 template <class A, class = void> struct has_floor_args : std::false_type {};
 template <class A> struct has_floor_args<A, std::void_t<decltype(A{}.allocator.floor)>> : std::true_type {};
 
@@ -107,6 +111,14 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.scorer.lag = pick_index(p, 0, n + 3);
     a.scorer.rank = p.ConsumeBool();
   }
+  if constexpr (has_future_args<Args>::value) {  // Expected Attention
+    a.scorer.future_positions = pick_index(p, 0, 600);
+    a.scorer.sinks = pick_index(p, 0, n + 2);
+    a.scorer.covariance = p.ConsumeBool();
+    a.scorer.value_norm = p.ConsumeBool();
+    a.scorer.epsilon = pick(p, {0.0, 0.0, 1e-3, 1.0, -1.0, 1e300});
+  }
+  if constexpr (has_block_args<Args>::value) a.scorer.block = pick_index(p, 0, n + 3);  // H2O
   if constexpr (has_router_args<Args>::value) {
     a.router.bucket = pick_index(p, 0, n + 4);
     a.router.statistic = static_cast<kvc::RouteStatistic>(p.ConsumeIntegralInRange<int>(0, 2));
@@ -340,6 +352,11 @@ void run_all(FuzzedDataProvider& p) {
   run_preset<kvc::ChunkKV>("ChunkKV", layer, budget, p);
   run_preset<kvc::SnapKVNearestKey>("SnapKVNearestKey", layer, budget, p);
   run_preset<kvc::SnapKVCAM>("SnapKVCAM", layer, budget, p);
+  run_preset<kvc::ExpectedAttentionEvict>("ExpectedAttentionEvict", layer, budget, p);
+  run_preset<kvc::H2O>("H2O", layer, budget, p);  // a window of W < n queries: rejected
+  // H2O with a query for every entry (read last, so that the inputs above are read as before).
+  const Tensor<T> all_queries = make_tensor<T>(p, Hkv * G, n, d, max_abs);
+  run_preset<kvc::H2O>("H2O (every query)", kvc::LayerView<T>{K.view, V.view, all_queries.view}, budget, p);
 }
 
 }  // namespace

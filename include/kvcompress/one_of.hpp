@@ -13,6 +13,14 @@
 
 namespace kvc {
 
+namespace detail {
+template <class P, class T, class = void>
+struct validates_layer : std::false_type {};
+template <class P, class T>
+struct validates_layer<P, T, std::void_t<decltype(std::declval<const P&>().validate(std::declval<const LayerView<T>&>()))>>
+    : std::true_type {};
+}  // namespace detail
+
 /// A policy for any slot of a Pipeline that runs one of the policies Ps, chosen at run time by its
 /// Arguments (`args.policy`, a std::variant<Ps...>; by default the first, with its defaults). One
 /// Pipeline<OneOf<...>, OneOf<...>, ...> type then covers every combination of its alternatives and is
@@ -70,6 +78,18 @@ struct OneOf {
   }
   Status validate(Index n, Index m) const {
     return visit([&](const auto& p) { return p.validate(n, m); });
+  }
+  /// Scorer: the chosen scorer's check of the layer, when it has one (ObservedAttention's queries).
+  template <class T>
+  Status validate(const LayerView<T>& layer) const {
+    return visit([&](const auto& p) {
+      if constexpr (detail::validates_layer<std::decay_t<decltype(p)>, T>::value) return p.validate(layer);
+      else return Status::ok();
+    });
+  }
+  /// Scorer: whether the chosen scorer reads the RoPE arguments (PolicyTraits::reads_rope).
+  bool reads_rope() const {
+    return visit([](const auto& p) { return policy_traits<std::decay_t<decltype(p)>>::reads_rope; });
   }
 
   template <class T>

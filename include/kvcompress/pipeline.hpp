@@ -60,6 +60,14 @@ struct has_score<P, std::void_t<decltype(std::declval<const P&>().score(std::dec
                                                                           std::declval<Vector<float>&>()))>>
     : std::true_type {};
 
+/// Whether a scorer also checks the layer itself (`Status validate(const LayerView<T>&) const`): what
+/// it needs of the input beyond the shapes every policy needs (ObservedAttention: every prefill query).
+template <class P, class T, class = void>
+struct has_validate_layer : std::false_type {};
+template <class P, class T>
+struct has_validate_layer<P, T, std::void_t<decltype(std::declval<const P&>().validate(std::declval<const LayerView<T>&>()))>>
+    : std::true_type {};
+
 template <class P, class... Extra>
 using select_call = decltype(std::declval<const P&>().select(std::declval<const std::vector<Vector<float>>&>(),
                                                              std::declval<const std::vector<Index>&>(),
@@ -130,6 +138,17 @@ template <class Merger>
 bool merger_reads_outputs(const Merger& merger) {
   if constexpr (has_runtime_reads_outputs<Merger>::value) return merger.needs_window_outputs();
   else return policy_traits<Merger>::needs_window_outputs;
+}
+
+template <class P, class = void>
+struct has_runtime_reads_rope : std::false_type {};
+template <class P>
+struct has_runtime_reads_rope<P, std::void_t<decltype(std::declval<const P&>().reads_rope())>> : std::true_type {};
+/// Whether the scorer reads the RoPE arguments: its traits say so; one chosen at run time knows.
+template <class Scorer>
+bool scorer_reads_rope(const Scorer& scorer) {
+  if constexpr (has_runtime_reads_rope<Scorer>::value) return scorer.reads_rope();
+  else return policy_traits<Scorer>::reads_rope;
 }
 
 /// The run-time form of the NoRoute check below, for slots chosen at run time (OneOf).
@@ -426,7 +445,8 @@ class Pipeline {
     for (Index g = 0; g < H; ++g) KVC_RETURN_IF_ERROR(merger().validate(layer.tokens(), budget_of(g)));
     KVC_RETURN_IF_ERROR(compensator().validate());
     KVC_RETURN_IF_ERROR(allocator().validate());
-    KVC_RETURN_IF_ERROR(args_.reposition.validate(layer.head_dim()));
+    KVC_RETURN_IF_ERROR(args_.reposition.validate(layer.head_dim(), detail::scorer_reads_rope(scorer())));
+    if constexpr (detail::has_validate_layer<Scorer, T>::value) KVC_RETURN_IF_ERROR(scorer().validate(layer));
     if (selector().shares_positions() && !allocator().keeps_budgets())
       return Status::fail(Status::Code::invalid_argument,
                           "this allocator gives KV heads different budgets: pair it with per-head selection, "

@@ -11,10 +11,12 @@
 #include "kvcompress/merger/ridge.hpp"
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/router/bucket_router.hpp"
+#include "kvcompress/scorer/expected_attention.hpp"
 #include "kvcompress/scorer/key_diversity.hpp"
 #include "kvcompress/scorer/lag_relative.hpp"
 #include "kvcompress/scorer/last_query_attention.hpp"
 #include "kvcompress/scorer/local_leverage.hpp"
+#include "kvcompress/scorer/observed_attention.hpp"
 #include "kvcompress/scorer/scorers.hpp"
 #include "kvcompress/selector/threshold.hpp"
 #include "kvcompress/selector/top_chunks.hpp"
@@ -59,6 +61,15 @@ using CUR = Pipeline<LocalLeverage, TopK<>, NoRoute, Drop, NoCompensation>;
 /// LagKV: each 128-token partition ranked against the next one, per KV head; the scorer ranks its
 /// 4 sinks, then the unscored tail (newest first), above every partition.
 using LagKV = Pipeline<LagRelative, TopK<>, NoRoute, Drop, NoCompensation>;
+
+/// Expected Attention: the attention expected from future queries (a Gaussian fitted to the window
+/// queries, rotated to the next 512 positions) times the value norm, per KV head; the scorer gives
+/// its 4 sinks the top score. Reads the keys' RoPE from Arguments::reposition (layout, theta).
+using ExpectedAttentionEvict = Pipeline<ExpectedAttention, TopK<>, NoRoute, Drop, NoCompensation>;
+
+/// H2O (kvpress ObservedAttentionPress): the attention each token received from every prefill query,
+/// averaged over the queries that see it, per KV head. Needs all n prefill queries as the window.
+using H2O = Pipeline<ObservedAttention, TopK<>, NoRoute, Drop, NoCompensation>;
 
 /// ChunkKV over SnapKV: SnapKV's scores, pooling and recent window, then whole 20-token chunks by
 /// their mean score, the same positions for every KV head.

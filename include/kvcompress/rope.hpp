@@ -22,12 +22,14 @@ struct RopeArguments {
   double theta = 10000.0;  ///< base
   Index rotary_dim = 0;    ///< rotated dimensions r (even, ≤ d); 0 = d
 
-  Status validate(Index d) const {
+  /// `used`: a policy reads these arguments (PolicyTraits::reads_rope), so they are checked even
+  /// with repositioning off.
+  Status validate(Index d, bool used = false) const {
     using detail::concat;
     if (layout != RopeLayout::interleaved && layout != RopeLayout::half_split)
       return Status::fail(Status::Code::invalid_argument,
                           concat("rope.layout must be interleaved or half_split, got ", static_cast<int>(layout)));
-    if (!enabled) return Status::ok();
+    if (!enabled && !used) return Status::ok();
     if (!(theta > 0.0) || !std::isfinite(theta))
       return Status::fail(Status::Code::invalid_argument, concat("rope.theta must be > 0, got ", theta));
     const Index r = rotary_dim == 0 ? d : rotary_dim;

@@ -8,8 +8,9 @@ namespace kvc {
 
 /// What a policy declares about itself, read by the pipeline in one place (policy_traits). A policy
 /// declares nothing, or a nested `struct traits : kvc::PolicyTraits { ... }` that redefines the
-/// members it needs; the rest keep these defaults. The first three change what the pipeline computes
-/// and must be declared when they hold; the others only buy speed and come with the obligation stated.
+/// members it needs; the rest keep these defaults. The first three and reads_rope change what the
+/// pipeline computes or checks and must be declared when they hold; the others only buy speed and come
+/// with the obligation stated.
 struct PolicyTraits {
   /// Reads the window attention mass a_g (ctx.mass()): the window attention stage runs (else a_g = 0).
   static constexpr bool needs_mass = false;
@@ -22,6 +23,9 @@ struct PolicyTraits {
   /// instead of scanning K / V for NaN and Inf.
   static constexpr bool covers_keys = false;
   static constexpr bool covers_values = false;
+  /// Scorer: reads ctx.rope() (the keys' RoPE layout, base and rotary dimension), so the pipeline
+  /// validates those arguments even with repositioning off.
+  static constexpr bool reads_rope = false;
   /// Selector: select() overwrites every field of the Selection (keeping capacity): the pipeline
   /// passes the Workspace's instead of a fresh one.
   static constexpr bool overwrites_selection = false;

@@ -74,7 +74,7 @@ def assert_equals_cli(r, expected):
 
 @pytest.mark.parametrize("method", kc.methods)
 def test_every_method_equals_the_tool(tmp_path, method):
-    k, v, q = layer(1)
+    k, v, q = layer(1, w=N if method == "observed-attention" else W)  # H2O reads every prefill query
     r = kc.compress(k, v, q, method, ratio=0.25)
     assert_equals_cli(r, cli(tmp_path, k, v, q, method, ratio=0.25))
     m = N if method == "full" else int(0.25 * N)
@@ -325,6 +325,8 @@ def test_input_errors():
     bad = k.copy()
     bad[1, 7, 3] = np.nan
     raises(ValueError, r"keys\[1\]\[7\]\[3\] is not finite", c, bad, v, q, "knorm")
+    raises(ValueError, "ObservedAttention needs the queries of all n = 300 prefill positions", c, k, v, q,
+           "observed-attention")
     raises(TypeError, "expected a numpy array", c, "keys", v, q)
     raises(TypeError, "keys: expected a numpy array or a tensor with __array__, got list", c, k.tolist(), v, q)
 

@@ -201,7 +201,7 @@ TEST_CASE("the tool takes --scorer, --merger and --compensator", "[compose][cli]
   CHECK(compress({"--method", "snapkv", "--merger", "nearest"}, "bad") != 0);
   std::string out, usage;
   CHECK(kvc::test::run_tool(kvc::cli::run_command, {}, out, usage) == 2);
-  CHECK_THAT(usage, Catch::Contains("--merger drop|merge-all|soft-gate|ridge"));
+  CHECK_THAT(usage, Catch::Contains("--merger drop|merge-all|soft-gate|ridge|nearest-key|cam"));
   CHECK_THAT(usage, Catch::Contains("--compensator none|log-ratio|merge-count"));
 }
 

@@ -25,9 +25,12 @@ TEST_CASE("every method at ratio 1.0 gives KL exactly 0 and top-1 exactly 1", "[
   const auto seqs = kvc::engine::sample_sequences(model, 2, 160, 5);
   kvc::engine::EvalConfig config;
   config.prefix = 128;
-  kvc::engine::TeacherForcedEval ev(model, seqs, config);
+  kvc::engine::TeacherForcedEval windowed(model, seqs, config);
+  config.window = config.prefix;  // observed-attention (H2O) reads every prefill query
+  kvc::engine::TeacherForcedEval every_query(model, seqs, config);
   for (const auto& method : kvc::cli::method_names()) {
     INFO(method);
+    kvc::engine::TeacherForcedEval& ev = method == "observed-attention" ? every_query : windowed;
     const auto res = ev.evaluate(kvc::cli::engine_compressor(kvc::cli::make_method(method), kvc::Budget::ratio(1.0)));
     CHECK(res.mean_kl == 0.0);
     CHECK(res.mean_top1 == 1.0);

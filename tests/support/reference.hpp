@@ -314,6 +314,96 @@ inline Eigen::MatrixXd lag_relative(const Tensor3& K, const Tensor3& V, long sin
   return c;
 }
 
+/// The RoPE rotation of position p as a (d,d) matrix: pair i (dims (2i, 2i+1) interleaved, or
+/// (i, i + r/2) half-split; r = rotary, 0 meaning d) rotated by the angle p·θ^(−2i/r); the other dims
+/// unchanged. RoPE(x, p) = R(p)·x.
+inline Eigen::MatrixXd rope_matrix(long d, double p, bool interleaved, double theta, long rotary) {
+  const long r = rotary == 0 ? d : rotary;
+  Eigen::MatrixXd R = Eigen::MatrixXd::Identity(d, d);  // (d,d)
+  for (long i = 0; i < r / 2; ++i) {
+    const long a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + r / 2;
+    const double angle = p * std::pow(theta, -2.0 * double(i) / double(r));
+    R(a, a) = std::cos(angle);
+    R(a, b) = -std::sin(angle);
+    R(b, a) = std::sin(angle);
+    R(b, b) = std::cos(angle);
+  }
+  return R;
+}
+
+/// Expected Attention (kvpress ExpectedAttentionPress). Window rows i (entries e_i = n − W + i, W =
+/// min(Wq, n), the last W rows of Q) with e_i >= sinks give the pre-RoPE queries u_i = R(p_i)ᵀ·q_{h,i}
+/// (p_i: the entry's position, `positions` (Hkv, n) or e_i); μ_h = mean, Σ_h = (1/N)·Σ (u − μ)(u − μ)ᵀ;
+/// R̄ = (1/T)·Σ_{t<T} R(P + t), P = p_{n−1} + 1 (summed matrix by matrix);
+/// z_h[j] = s·<R̄μ_h, k_j> + [covariance] (s²/2)·k_jᵀ R̄Σ_hR̄ᵀ k_j + b_j for j >= sinks;
+/// c[j] = ((1/G)·Σ_h softmax_{j >= sinks}(z_h)[j] + ε)·‖v_j‖ (without value_norm: the mean alone);
+/// c[j < sinks] = max over j >= sinks of c. n <= sinks: every score 1.
+inline Eigen::MatrixXd expected_attention(const Tensor3& Q, const Tensor3& K, const Tensor3& V, double scale,
+                                          long sinks, long T, bool covariance, bool value_norm, double epsilon,
+                                          bool interleaved, double theta, long rotary,
+                                          const Eigen::MatrixXd* positions = nullptr,
+                                          const Eigen::MatrixXd* bias = nullptr) {
+  require(Q.H % K.H == 0 && Q.d == K.d && V.n == K.n, "shapes");
+  const long Hkv = K.H, n = K.n, d = K.d, G = Q.H / K.H, W = std::min(Q.n, n), s0 = std::min(sinks, n);
+  Eigen::MatrixXd out = Eigen::MatrixXd::Ones(Hkv, n);  // (Hkv,n)
+  if (s0 == n) return out;
+  for (long g = 0; g < Hkv; ++g) {
+    const auto pos = [&](long e) { return positions != nullptr ? (*positions)(g, e) : double(e); };
+    Eigen::MatrixXd Rbar = Eigen::MatrixXd::Zero(d, d);  // (d,d)
+    for (long t = 0; t < T; ++t) Rbar += rope_matrix(d, pos(n - 1) + 1.0 + double(t), interleaved, theta, rotary);
+    Rbar /= double(T);
+    std::vector<double> mean_p(static_cast<std::size_t>(n - s0), 0.0);
+    for (long h = g * G; h < (g + 1) * G; ++h) {
+      std::vector<Eigen::VectorXd> u;
+      for (long i = 0; i < W; ++i) {
+        const long e = n - W + i;
+        if (e < s0) continue;
+        Eigen::VectorXd q(d);
+        for (long c = 0; c < d; ++c) q[c] = Q.at(h, Q.n - W + i, c);
+        u.push_back(rope_matrix(d, pos(e), interleaved, theta, rotary).transpose() * q);
+      }
+      const double N = double(u.size());
+      Eigen::VectorXd mu = Eigen::VectorXd::Zero(d);
+      for (const auto& x : u) mu += x / N;
+      Eigen::MatrixXd cov = Eigen::MatrixXd::Zero(d, d);  // (d,d)
+      for (const auto& x : u) cov += (x - mu) * (x - mu).transpose() / N;
+      const Eigen::VectorXd mu_bar = Rbar * mu;
+      const Eigen::MatrixXd cov_bar = Rbar * cov * Rbar.transpose();
+      std::vector<double> z;
+      for (long j = s0; j < n; ++j) {
+        Eigen::VectorXd k(d);
+        for (long c = 0; c < d; ++c) k[c] = K.at(g, j, c);
+        double x = scale * mu_bar.dot(k);
+        if (covariance) x += scale * scale / 2.0 * k.dot(cov_bar * k);
+        if (bias != nullptr && j < bias->cols()) x += (*bias)(g, j);
+        z.push_back(x);
+      }
+      const std::vector<double> p = softmax(z);
+      for (std::size_t j = 0; j < p.size(); ++j) mean_p[j] += p[j] / double(G);
+    }
+    double top = -std::numeric_limits<double>::infinity();
+    for (long j = s0; j < n; ++j) {
+      double c = mean_p[static_cast<std::size_t>(j - s0)];
+      if (value_norm) c = (c + epsilon) * norm2(V.vec(g, j), d);
+      out(g, j) = c;
+      top = std::max(top, c);
+    }
+    for (long j = 0; j < s0; ++j) out(g, j) = top;
+  }
+  return out;
+}
+
+/// H2O (kvpress ObservedAttentionPress): Q holds a query for every entry (Wq >= n; its last n rows are
+/// the queries of entries 0..n−1). c[j] = (1/G)·Σ_{h in g} Σ_{i >= j} A_h[i][j] / (n − j), A_h the
+/// causal attention of window_probs over all n rows.
+inline Eigen::MatrixXd observed_attention(const Tensor3& Q, const Tensor3& K, double scale, double softcap,
+                                          const Eigen::MatrixXd* bias = nullptr) {
+  require(Q.n >= K.n, "H2O needs a query for every entry");
+  Eigen::MatrixXd c = window_mass(window_probs(Q, K, scale, softcap, bias), K.H);  // (Hkv,n)
+  for (long j = 0; j < K.n; ++j) c.col(j) /= double(K.n - j);
+  return c;
+}
+
 /// Position (StreamingLLM): c_g[j] = j, so the top-by-score candidates are the most recent tokens.
 inline Eigen::MatrixXd position(long Hkv, long n) {
   Eigen::MatrixXd c(Hkv, n);  // (Hkv,n)

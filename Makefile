@@ -10,6 +10,7 @@ PYTHON_PACKAGES := pybind11-dev python3-dev python3-numpy python3-pytest
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: deps python-deps configure build demo test python sanitize-deps sanitize-build test-sanitize bench clean \
+        bench-speed-table \
         fuzz-build fuzz fuzz-ci
 
 deps:
@@ -93,3 +94,13 @@ bench: build
 
 clean:
 	rm -rf $(BUILD) $(SANITIZE_BUILD) $(FUZZ_BUILD)
+
+# The README's speed table: BM_PipelinePaired for SnapKV and SelKV at n = 32768, in 4 KiB and 2 MiB
+# pages, with glibc's heap returned to the system or kept (GLIBC_TUNABLES).
+KEEP_HEAP := glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432
+bench-speed-table: build
+	for pages in "" 1; do for heap in "" "$(KEEP_HEAP)"; do \
+	  KVC_BENCH_HUGE_PAGES=$$pages GLIBC_TUNABLES=$$heap $(BUILD)/bench/kvc_bench \
+	    '--benchmark_filter=BM_PipelinePaired<kvc::(SnapKV|SelKV), (true|false)>/32768/' \
+	    --benchmark_min_time=0.001 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true; \
+	done; done

@@ -17,6 +17,8 @@
 #include <cstdlib>
 #include <limits>
 #include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 namespace {
@@ -44,6 +46,24 @@ void dump_head(const H& h) {
     for (Index c = 0; c < h.values.cols(); ++c) std::fprintf(stderr, " %g", static_cast<double>(h.values(i, c)));
     std::fprintf(stderr, " bias %g\n", static_cast<double>(h.bias[i]));
   }
+}
+
+template <class A, class = void> struct has_threshold_select_args : std::false_type {};
+template <class A> struct has_threshold_select_args<A, std::void_t<decltype(A{}.selector.threshold)>> : std::true_type {};
+template <class A, class = void> struct has_one_of_slots : std::false_type {};
+template <class A> struct has_one_of_slots<A, std::void_t<decltype(A{}.scorer.policy.index())>> : std::true_type {};
+
+/// The alternative `i` of variant V, default-constructed.
+template <class V, std::size_t... I>
+V variant_at(std::size_t i, std::index_sequence<I...>) {
+  V v;
+  ((i == I ? (v = V(std::in_place_index<I>), 0) : 0), ...);
+  return v;
+}
+template <class V>
+void choose(V& v, FuzzedDataProvider& p) {
+  constexpr std::size_t size = std::variant_size_v<V>;
+  v = variant_at<V>(p.ConsumeIntegralInRange<std::size_t>(0, size - 1), std::make_index_sequence<size>{});
 }
 
 template <class A, class = void> struct has_selector_args : std::false_type {};
@@ -91,6 +111,14 @@ Index pick_index(FuzzedDataProvider& p, Index lo, Index hi, bool huge = true) {
 /// Every option of a preset's Arguments from the input (when the input asks for options at all).
 template <class Args>
 void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
+  if constexpr (has_one_of_slots<Args>::value) {  // stages chosen at run time (the tool's --scorer, --merger, ...)
+    choose(a.scorer.policy, p);
+    choose(a.selector.policy, p);
+    choose(a.router.policy, p);
+    choose(a.merger.policy, p);
+    choose(a.compensator.policy, p);
+    choose(a.allocator.policy, p);
+  }
   if (!p.ConsumeBool()) return;  // the preset's defaults
   a.attention.scale = pick(p, {0.0, 0.0, 1.0, 0.125, 1e-30, 1e30, -1.0});
   a.attention.softcap = pick(p, {0.0, 0.0, 30.0, 1.0, 1e-30, -1.0});
@@ -102,6 +130,10 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.selector.granularity = static_cast<kvc::Granularity>(p.ConsumeIntegralInRange<int>(0, 1));
   }
   if constexpr (has_chunk_args<Args>::value) a.selector.chunk = pick_index(p, 0, n + 3);
+  if constexpr (has_threshold_select_args<Args>::value) {  // Threshold
+    a.selector.threshold = pick(p, {0.02, 0.0, -1.0, 1e300, 0.5, std::numeric_limits<double>::quiet_NaN()});
+    a.selector.recent = pick_index(p, 0, n + 2);
+  }
   if constexpr (has_window_scorer_args<Args>::value) {  // CUR
     a.scorer.sinks = pick_index(p, 0, n + 2);
     a.scorer.window = pick_index(p, 0, n + 3);
@@ -350,6 +382,8 @@ void run_all(FuzzedDataProvider& p) {
   run_preset<kvc::CUR>("CUR", layer, budget, p);
   run_preset<kvc::LagKV>("LagKV", layer, budget, p);
   run_preset<kvc::ChunkKV>("ChunkKV", layer, budget, p);
+  run_preset<kvc::Threshold>("Threshold", layer, budget, p);
+  run_preset<kvc::cli::Composed>("Composed", layer, budget, p);
   run_preset<kvc::SnapKVNearestKey>("SnapKVNearestKey", layer, budget, p);
   run_preset<kvc::SnapKVCAM>("SnapKVCAM", layer, budget, p);
   run_preset<kvc::ExpectedAttentionEvict>("ExpectedAttentionEvict", layer, budget, p);

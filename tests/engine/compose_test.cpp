@@ -66,14 +66,23 @@ const kvc::cli::BudgetSpec kRatio{false, Budget::ratio(0.3), {}};
 TEST_CASE("every method run as a composition of its own stages equals its preset", "[compose]") {
   INFO("seed " << kvc::test::test_seed());
   const Layer<float> f(5);
+  // H2O needs every prefill query: a window of all n rows.
+  std::vector<float> all_queries(Layer<float>::Hq * Layer<float>::n * Layer<float>::d);
+  auto rng = kvc::test::make_rng(55);
+  std::normal_distribution<float> N;
+  for (auto& x : all_queries) x = N(rng);
+  kvc::LayerView<float> every = f.view();
+  every.queries = kvc::make_head_major<const float>(all_queries.data(), Layer<float>::Hq, Layer<float>::n, Layer<float>::d);
   const kvc::cli::BudgetSpec per_head{true, Budget::ratio(1.0), {40, 71, 40, 100}};
   for (const auto& method : kvc::cli::method_names()) {
     INFO(method);
+    const kvc::LayerView<float> layer = method == "observed-attention" ? every : f.view();
     CHECK(kvc::cli::swaps_stages(swap(method)));
-    kvc::test::check_identical(run(method, swap(method), f.view(), kRatio), run(method, {}, f.view(), kRatio));
+    kvc::test::check_identical(run(method, swap(method), layer, kRatio), run(method, {}, layer, kRatio));
     if (method.find("selkv") == std::string::npos && method != "chunkkv")  // shared selection: equal budgets
-      kvc::test::check_identical(run(method, swap(method), f.view(), per_head), run(method, {}, f.view(), per_head));
+      kvc::test::check_identical(run(method, swap(method), layer, per_head), run(method, {}, layer, per_head));
   }
+  CHECK_THROWS_WITH(run("snapkv", swap("observed-attention"), f.view(), kRatio), Catch::Contains("every prefill query"));
 }
 
 TEST_CASE("swapped stages equal the preset that composes them", "[compose]") {
@@ -114,6 +123,17 @@ TEST_CASE("a composition no preset has equals the same policies composed at comp
                              TovaSoftGate{}.run(f.view(), kRatio.budget));
   kvc::test::check_identical(run("knorm", swap({}, "ridge", "merge-count"), f.view(), kRatio),
                              KNormRidge{}.run(f.view(), kRatio.budget));
+  // The merging presets that are not tool methods: SnapKV's eviction with kvpress's and CaM's merges.
+  {
+    INFO("nearest-key");
+    kvc::test::check_identical(run("snapkv", swap({}, "nearest-key"), f.view(), kRatio),
+                               kvc::SnapKVNearestKey{}.run(f.view(), kRatio.budget));
+  }
+  {
+    INFO("cam");
+    kvc::test::check_identical(run("snapkv", swap({}, "cam"), f.view(), kRatio),
+                               kvc::SnapKVCAM{}.run(f.view(), kRatio.budget));
+  }
 
   SECTION("options reach the swapped stages") {
     MethodOptions o = swap({}, "soft-gate", "log-ratio");

@@ -31,7 +31,11 @@ TEST_CASE("every method at ratio 1.0 gives KL exactly 0 and top-1 exactly 1", "[
   for (const auto& method : kvc::cli::method_names()) {
     INFO(method);
     kvc::engine::TeacherForcedEval& ev = method == "observed-attention" ? every_query : windowed;
-    const auto res = ev.evaluate(kvc::cli::engine_compressor(kvc::cli::make_method(method), kvc::Budget::ratio(1.0)));
+    // threshold keeps what reaches τ whatever the budget: τ below every score keeps everything.
+    kvc::cli::MethodOptions keep_all;
+    if (method == "threshold") keep_all.threshold = -1.0;
+    const auto res =
+        ev.evaluate(kvc::cli::engine_compressor(kvc::cli::make_method(method, keep_all), kvc::Budget::ratio(1.0)));
     CHECK(res.mean_kl == 0.0);
     CHECK(res.mean_top1 == 1.0);
     CHECK(res.mean_delta_nll == 0.0);

@@ -2,8 +2,11 @@
 #pragma once
 #include "kvcompress/core.hpp"
 #include "kvcompress/policy.hpp"
+#include "kvcompress/simd/kernels.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace kvc {
@@ -66,7 +69,11 @@ struct CacheMerge {
         any = true;
         const Real w = static_cast<Real>(p / static_cast<double>(b));
         const T* v = ctx.value(evicted[e]);
-        for (Index c = 0; c < d; ++c) run[c] += w * to_real<Real>(v[c]);
+        // Fused multiply-adds whatever the unit's contraction flags, so every build gives the same bits.
+        if constexpr (std::is_same_v<Real, float>)
+          simd::axpy<simd::default_arch>(w, v, run.data(), d);
+        else
+          for (Index c = 0; c < d; ++c) run[c] = std::fma(w, to_real<Real>(v[c]), run[c]);
       }
       if (any)
         for (Index t = s; t < s + b; ++t) out.values.row(t) += run.transpose();

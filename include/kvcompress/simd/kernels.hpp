@@ -222,7 +222,7 @@ inline void axpy(float w, const T* x, float* y, Index d) {
   const B wb(w);
   Index k = 0;
   for (; k + S <= d; k += S) simd::fma(wb, load<A>(x + k), B::load_unaligned(y + k)).store_unaligned(y + k);
-  for (; k < d; ++k) y[k] += w * to_float(x[k]);
+  for (; k < d; ++k) y[k] = std::fma(w, to_float(x[k]), y[k]);  // fused like the batches, in every build
 }
 
 /// y (d) = w·x for a row x of element type T (converted); y is only written.

@@ -754,6 +754,27 @@ struct Merged {
 /// τ = 1e-12 · max_j a_g[j] (SPEC §7, §8).
 inline double mass_floor(const Eigen::MatrixXd& a, long g) { return 1e-12 * a.row(g).maxCoeff(); }
 
+/// The kept rows of head g as a merge starts from them: keys and values copied, every gate 0;
+/// entry_of[j] = j's index among the kept (−1 when evicted).
+inline Merged kept_rows(long g, const std::vector<long>& kept, const Tensor3& K, const Tensor3& V,
+                        std::vector<long>& entry_of) {
+  const long n = K.n, d = K.d, m = static_cast<long>(kept.size());
+  Merged out;
+  out.keys.resize(m, d);
+  out.values.resize(m, d);
+  out.gate.assign(static_cast<std::size_t>(n), 0.0);
+  entry_of.assign(static_cast<std::size_t>(n), -1);
+  for (long e = 0; e < m; ++e) {
+    const long i = kept[static_cast<std::size_t>(e)];
+    entry_of[static_cast<std::size_t>(i)] = e;
+    for (long k = 0; k < d; ++k) {
+      out.keys(e, k) = K.at(g, i, k);
+      out.values(e, k) = V.at(g, i, k);
+    }
+  }
+  return out;
+}
+
 /// SPEC §7 merge for KV head g. route: n kept positions from `route`. Keys are copied unchanged.
 ///   Drop: values unchanged, gates 0.  MergeAll: g_j = 1.  SoftGate: g_j = max(cos(v_j, v_π(j)), 0)
 ///   against the target's ORIGINAL value.
@@ -764,19 +785,8 @@ inline Merged merge(long g, const std::vector<long>& kept, const std::vector<lon
   require(kind == MergeDrop || kind == MergeAll || kind == MergeSoftGate, "unknown merge kind");
   const long n = K.n, d = K.d, m = static_cast<long>(kept.size());
   require(static_cast<long>(route.size()) == n, "route must have n entries");
-  Merged out;
-  out.keys.resize(m, d);
-  out.values.resize(m, d);
-  out.gate.assign(static_cast<std::size_t>(n), 0.0);
-  std::vector<long> entry_of(static_cast<std::size_t>(n), -1);
-  for (long e = 0; e < m; ++e) {
-    const long i = kept[static_cast<std::size_t>(e)];
-    entry_of[static_cast<std::size_t>(i)] = e;
-    for (long k = 0; k < d; ++k) {
-      out.keys(e, k) = K.at(g, i, k);
-      out.values(e, k) = V.at(g, i, k);
-    }
-  }
+  std::vector<long> entry_of;
+  Merged out = kept_rows(g, kept, K, V, entry_of);
   if (kind == MergeDrop) return out;
 
   const double tau = mass_floor(a, g);
@@ -811,19 +821,8 @@ inline Merged merge_nearest_key(long g, const std::vector<long>& kept, const std
                                 const Tensor3& K, const Tensor3& V, double threshold) {
   const long n = K.n, d = K.d, m = static_cast<long>(kept.size());
   require(static_cast<long>(route.size()) == n, "route must have n entries");
-  Merged out;
-  out.keys.resize(m, d);
-  out.values.resize(m, d);
-  out.gate.assign(static_cast<std::size_t>(n), 0.0);
-  std::vector<long> entry_of(static_cast<std::size_t>(n), -1);
-  for (long e = 0; e < m; ++e) {
-    const long i = kept[static_cast<std::size_t>(e)];
-    entry_of[static_cast<std::size_t>(i)] = e;
-    for (long k = 0; k < d; ++k) {
-      out.keys(e, k) = K.at(g, i, k);
-      out.values(e, k) = V.at(g, i, k);
-    }
-  }
+  std::vector<long> entry_of;
+  Merged out = kept_rows(g, kept, K, V, entry_of);
   Eigen::MatrixXd num = Eigen::MatrixXd::Zero(m, d);  // Σ w_j v_j per entry
   Eigen::VectorXd den = Eigen::VectorXd::Zero(m);     // Σ w_j per entry
   for (long j = 0; j < n; ++j) {
@@ -855,21 +854,10 @@ inline Merged merge_cam(long g, const std::vector<long>& kept, const Tensor3& K,
                         const Eigen::MatrixXd& a, long B) {
   require(B >= 1, "the window must be >= 1");
   const long n = K.n, d = K.d, m = static_cast<long>(kept.size());
-  Merged out;
-  out.keys.resize(m, d);
-  out.values.resize(m, d);
-  out.gate.assign(static_cast<std::size_t>(n), 0.0);
-  std::vector<char> is_kept(static_cast<std::size_t>(n), 0);
-  for (long e = 0; e < m; ++e) {
-    const long i = kept[static_cast<std::size_t>(e)];
-    is_kept[static_cast<std::size_t>(i)] = 1;
-    for (long k = 0; k < d; ++k) {
-      out.keys(e, k) = K.at(g, i, k);
-      out.values(e, k) = V.at(g, i, k);
-    }
-  }
+  std::vector<long> entry_of;
+  Merged out = kept_rows(g, kept, K, V, entry_of);
   for (long j = 0; j < n; ++j) {
-    if (is_kept[static_cast<std::size_t>(j)]) continue;
+    if (entry_of[static_cast<std::size_t>(j)] >= 0) continue;
     std::vector<long> window;  // entries (indices into kept)
     for (long e = 0; e < m && static_cast<long>(window.size()) < B; ++e)
       if (kept[static_cast<std::size_t>(e)] > j) window.push_back(e);

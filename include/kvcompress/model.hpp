@@ -76,8 +76,8 @@ inline std::vector<Index> layer_budgets(const LayerScheduleArguments& args, Inde
 /// Compresses every layer of one sequence's cache: layer l with budget layer_budgets(schedule, L, n, m_l)
 /// where m = budget.resolve(n) (n = layers[0].tokens(); every layer must have the same n). Each layer
 /// runs pipeline.run (its own Arguments: allocator, threads over KV heads); `layer_threads` layers run
-/// at once. Every layer is validated before any is compressed: on a bad layer nothing runs and
-/// kvc::error names it. Results are in new memory, one per layer.
+/// at once. A bad layer throws kvc::error prefixed with its index ("layer 3: ..."); results are in new
+/// memory, one per layer, so a failed call leaves nothing behind.
 template <class Pipeline, class T>
 std::vector<LayerResult<compute_t<T>>> compress_layers(const Pipeline& pipeline, const std::vector<LayerView<T>>& layers,
                                                        const Budget& budget,
@@ -91,17 +91,18 @@ std::vector<LayerResult<compute_t<T>>> compress_layers(const Pipeline& pipeline,
   if (m < 1)
     throw error(detail::concat("budget resolves to ", m, " tokens for a cache of ", n, ": it must keep at least one"));
   const std::vector<Index> budgets = layer_budgets(schedule, static_cast<Index>(layers.size()), n, m);
-  for (std::size_t l = 0; l < layers.size(); ++l) {
+  for (std::size_t l = 0; l < layers.size(); ++l)
     if (layers[l].tokens() != n)
       throw error(detail::concat("layer ", l, " holds ", layers[l].tokens(), " tokens, layer 0 holds ", n,
                                  ": every layer of a sequence has the same length"));
-    const Status s = pipeline.validate(layers[l], Budget::tokens(budgets[l]));
-    if (!s) throw error(detail::concat("layer ", l, ": ", s.message()));
-  }
   std::vector<LayerResult<compute_t<T>>> out(layers.size());
   parallel_for(static_cast<Index>(layers.size()), layer_threads, [&](Index l, Index) {
     const auto i = static_cast<std::size_t>(l);
-    out[i] = pipeline.run(layers[i], Budget::tokens(budgets[i]));
+    try {  // run validates the layer (and folds its NaN scans into its own passes over K and V)
+      out[i] = pipeline.run(layers[i], Budget::tokens(budgets[i]));
+    } catch (const error& e) {
+      throw error(detail::concat("layer ", l, ": ", e.what()));
+    }
   });
   return out;
 }

@@ -308,7 +308,7 @@ class Pipeline {
  private:
   /// validate(); scan_keys / scan_values = false leave the NaN/Inf scan of K / V to the stage that
   /// reads them anyway (run() checks the window logits or the scores, which are non-finite whenever
-  /// a key or value row is: see kFoldKeyScan, kScanValuesPerHead).
+  /// a key or value row is: see fold_key_scan, kScanValuesPerHead).
   template <class T>
   Status validate_impl(const LayerView<T>& layer, const Budget& budget, bool scan_keys, bool scan_values) const {
     KVC_RETURN_IF_ERROR(budget.validate());
@@ -352,10 +352,8 @@ class Pipeline {
   /// Window attention's logits (float arithmetic) or a key-covering scorer's scores stand in for the
   /// NaN/Inf scan of the keys; a value-covering scorer's scores for the scan of the values. Otherwise
   /// V is scanned head by head inside stage 1 (so the scan runs on the worker threads too), K up front.
-  template <class T>
-  static constexpr bool kFoldKeyScan = (kNeedsMass && std::is_same_v<compute_t<T>, float>) || ScorerTraits::covers_keys;
   /// Whether this call runs the window attention stage: kNeedsMass, and a policy chosen at run time
-  /// (a OneOf slot) needs it. fold_key_scan: kFoldKeyScan for this call.
+  /// (a OneOf slot) needs it.
   bool mass_needed() const {
     if constexpr (!kNeedsMass) return false;
     else
@@ -363,7 +361,7 @@ class Pipeline {
              detail::reads_mass(compensator());
   }
   template <class T>
-  bool fold_key_scan() const {
+  bool fold_key_scan() const {  // the keys' scan is folded into this call's logits or scores
     return (std::is_same_v<compute_t<T>, float> && mass_needed()) || ScorerTraits::covers_keys;
   }
   static constexpr bool kScanValuesPerHead = !ScorerTraits::covers_values;
@@ -387,7 +385,7 @@ class Pipeline {
     else return mass_needed() && detail::merger_reads_outputs(merger());
   }
 
-  /// After stage 1 with check_finite: the folded K / V scans (kFoldKeyScan, kScanValuesPerHead). A
+  /// After stage 1 with check_finite: the folded K / V scans (fold_key_scan, kScanValuesPerHead). A
   /// non-finite window logit or covering score means a non-finite key or value row (named as validate()
   /// names it) or, when the rows are finite, an overflow. Nothing has been written to the result yet.
   template <class T, class Real>

@@ -58,31 +58,27 @@ struct ThresholdSelect {
       std::vector<Index>& evicted = out.evicted[h];
       kept.clear();
       evicted.clear();
-      std::vector<char> keep(static_cast<std::size_t>(n), 0);
+      const auto qualifies = [&](Index j) { return j >= n - recent || s[j] >= tau; };  // NaN >= τ is false
       Index count = 0;
-      for (Index j = 0; j < n; ++j)
-        if (j >= n - recent || s[j] >= tau) {  // NaN >= τ is false
-          keep[static_cast<std::size_t>(j)] = 1;
-          ++count;
-        }
-      if (count == 0) {
-        keep[static_cast<std::size_t>(n - 1)] = 1;
-        count = 1;
-      }
-      if (count > m) {  // the cap: newest recent tokens first, then the highest scores
+      for (Index j = 0; j < n; ++j) count += qualifies(j) ? 1 : 0;
+      if (count == 0) {  // nothing qualifies and no recent window: the newest token
+        for (Index j = 0; j + 1 < n; ++j) evicted.push_back(j);
+        kept.push_back(n - 1);
+      } else if (count <= m) {
+        for (Index j = 0; j < n; ++j) (qualifies(j) ? kept : evicted).push_back(j);
+      } else {  // the cap: newest recent tokens first, then the highest scores
         std::vector<Index> order;
         order.reserve(static_cast<std::size_t>(count));
-        for (Index j = n - 1; j >= 0; --j)
-          if (keep[static_cast<std::size_t>(j)] && j >= n - recent) order.push_back(j);
+        for (Index j = n - 1; j >= n - recent; --j) order.push_back(j);
         const std::size_t forced = order.size();
         for (Index j = 0; j < n - recent; ++j)
-          if (keep[static_cast<std::size_t>(j)]) order.push_back(j);
+          if (qualifies(j)) order.push_back(j);
         std::stable_sort(order.begin() + static_cast<std::ptrdiff_t>(forced), order.end(),
                          [&](Index x, Index y) { return s[x] > s[y]; });
-        std::fill(keep.begin(), keep.end(), char(0));
+        std::vector<char> keep(static_cast<std::size_t>(n), 0);
         for (Index i = 0; i < m; ++i) keep[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] = 1;
+        for (Index j = 0; j < n; ++j) (keep[static_cast<std::size_t>(j)] ? kept : evicted).push_back(j);
       }
-      for (Index j = 0; j < n; ++j) (keep[static_cast<std::size_t>(j)] ? kept : evicted).push_back(j);
     }
   }
 };

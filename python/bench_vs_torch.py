@@ -69,7 +69,8 @@ def main():
     p.add_argument("--w", type=int, default=32)
     p.add_argument("--ratio", type=float, default=0.25)
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before each side's timed ones")
     a = p.parse_args()
     try:
         import torch
@@ -90,15 +91,17 @@ def main():
     agree = len(set(positions[0, 0].tolist()) & set(r.positions[0].tolist())) / r.lengths[0]
 
     print(f"SnapKV, Hkv {a.hkv}, Hq {a.hq}, d {a.d}, W {a.w}, n {a.n}, ratio {a.ratio}; "
-          f"kvcompress {kvcompress.__version__}, torch {torch.__version__}; median of {a.repeats} calls")
+          f"kvcompress {kvcompress.__version__}, torch {torch.__version__}; median of {a.repeats} calls after {a.warmup} untimed")
     print(f"kept positions in common (head 0): {agree:.3f}")
     print(f"{'threads':>7}  {'torch (ms)':>10}  {'kvcompress (ms)':>15}  {'speed-up':>8}")
     for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
         with torch.no_grad():
-            snapkv_torch(torch, tk, tv, tq, a.ratio)  # warm-up
+            for _ in range(a.warmup):
+                snapkv_torch(torch, tk, tv, tq, a.ratio)
             t_torch = median_seconds(lambda: snapkv_torch(torch, tk, tv, tq, a.ratio), a.repeats)
-        snapkv_kvcompress(keys, values, queries, a.ratio, threads)
+        for _ in range(a.warmup):
+            snapkv_kvcompress(keys, values, queries, a.ratio, threads)
         t_kvc = median_seconds(lambda: snapkv_kvcompress(keys, values, queries, a.ratio, threads), a.repeats)
         print(f"{threads:>7}  {1e3 * t_torch:>10.1f}  {1e3 * t_kvc:>15.1f}  {t_torch / t_kvc:>7.1f}x")
     return 0

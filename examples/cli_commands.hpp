@@ -192,6 +192,31 @@ inline LayerScheduleArguments layer_schedule(Args& a) {
   return s;
 }
 
+/// Compression while the cache grows (generate, eval): --prefill-chunk C feeds the prompt C tokens at a
+/// time and compresses after each chunk to the run's budget; --decode-budget N compresses each layer
+/// back to N entries once it holds more, then every --compress-every K tokens (0: whenever above N).
+struct GrowthOptions {
+  Index prefill_chunk = 0, decode_budget = 0, compress_every = 0;
+};
+
+inline GrowthOptions growth_options(Args& a) {
+  GrowthOptions g;
+  if (a.has("prefill-chunk")) g.prefill_chunk = a.integer("prefill-chunk", 0, 1, std::numeric_limits<Index>::max());
+  if (a.has("decode-budget")) g.decode_budget = a.integer("decode-budget", 0, 1, std::numeric_limits<Index>::max());
+  if (a.has("compress-every")) {
+    if (g.decode_budget == 0) throw std::invalid_argument("--compress-every needs --decode-budget");
+    g.compress_every = a.integer("compress-every", 0, 0, std::numeric_limits<Index>::max());
+  }
+  return g;
+}
+
+/// Rejects what compression while the cache grows cannot do.
+inline void check_growth(const GrowthOptions& g, const MethodOptions& o) {
+  if ((g.prefill_chunk > 0 || g.decode_budget > 0) && o.reposition.value_or(false))
+    throw std::invalid_argument("--reposition does not apply with --prefill-chunk or --decode-budget (a cache compressed "
+                                "while it grows keeps its RoPE positions)");
+}
+
 struct ModelFiles {
   std::string model, tokenizer;
 };
@@ -226,34 +251,61 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   const Budget budget = budget_from(a);
   MethodOptions opts = method_options(a);
   const LayerScheduleArguments schedule = layer_schedule(a);
+  const GrowthOptions growth = growth_options(a);
   a.reject_unused();
+  check_growth(growth, opts);
   const engine::Model model = engine::Model::load(files.model);
   const engine::Tokenizer tok = engine::Tokenizer::load(files.tokenizer, model.config().vocab_size);
   opts.rope_theta = 10000.0;
-  const engine::LayerCompressor fn =
-      engine_compressor(make_method(method, opts), budget, schedule, model.config().n_layers);
-
+  const int layers = model.config().n_layers;
   const std::vector<int> prompt_tokens = tok.encode(prompt, true);
+  const Index P = static_cast<Index>(prompt_tokens.size());
+  engine::Compression plan;
+  if (growth.prefill_chunk > 0)
+    plan.chunked = grown_compressor(method_runner(method, opts),
+                                    chunked_prefill_arguments(budget, schedule, layers, P, window));
+  else
+    plan.once = engine_compressor(make_method(method, opts), budget, schedule, layers, opts.reposition.value_or(false));
+  if (growth.decode_budget > 0)
+    plan.decoding = grown_compressor(method_runner(method, opts),
+                                     decoding_arguments(growth.decode_budget, growth.compress_every, layers, window));
+
   std::ptrdiff_t entries_before = 0, entries_after = 0;  // cache entries over all layers and KV heads
-  auto run = [&](const engine::LayerCompressor* compress) {
+  engine::RunStats stats;
+  auto run = [&](const engine::Compression* compress) {
     engine::Session s(model);
-    std::vector<float> logits = s.prefill(prompt_tokens, window);
-    if (compress) {
-      entries_before = s.entries();
-      s.compress(*compress);
+    std::vector<float> logits;
+    if (compress && (compress->chunked || compress->decoding)) s.keep_queries(window);
+    if (compress && compress->chunked) {
+      const engine::CacheCompressor chunked = compress->chunked();
+      for (Index at = 0; at < P; at += growth.prefill_chunk) {
+        logits = s.feed(std::vector<int>(prompt_tokens.begin() + at, prompt_tokens.begin() + std::min(P, at + growth.prefill_chunk)));
+        s.compress_grown(chunked);
+      }
+      entries_before = P * layers * model.config().n_kv_heads;
       entries_after = s.entries();
+    } else {
+      logits = s.prefill(prompt_tokens, window);
+      if (compress && compress->once) {
+        entries_before = s.entries();
+        s.compress(compress->once);
+        entries_after = s.entries();
+      }
     }
+    const engine::CacheCompressor decoding = compress && compress->decoding ? compress->decoding() : engine::CacheCompressor();
     std::vector<int> toks;
     for (Index t = 0; t < steps && s.position() < model.config().seq_len; ++t) {
       const int next = engine::argmax(logits);
       toks.push_back(next);
       if (s.position() >= model.config().seq_len) break;
       logits = s.forward(next);
+      if (decoding) s.compress_grown(decoding);
     }
+    if (compress) stats = {s.peak_length(), s.compressions()};
     return toks;
   };
   const std::vector<int> full = run(nullptr);
-  const std::vector<int> comp = run(&fn);
+  const std::vector<int> comp = run(&plan);
   auto text = [&](const std::vector<int>& toks) {
     std::string s;
     int prev = prompt_tokens.back();
@@ -274,6 +326,9 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   out << "cache after compression: " << entries_after << " of " << entries_before << " entries ("
       << double(entries_after) * kib_per_entry << " of " << double(entries_before) * kib_per_entry
       << " KiB of keys, values and bias)\n";
+  if (growth.prefill_chunk > 0 || growth.decode_budget > 0)
+    out << "peak entries per layer and head: " << stats.peak_entries << "; compressions per layer: "
+        << double(stats.compressions) / layers << "\n";
   if (diverge == full.size() && full.size() == comp.size())
     out << "identical over " << full.size() << " tokens\n";
   else
@@ -288,7 +343,9 @@ struct EvalRow {
   double ratio = 0;
   engine::Interval kl, top1, dnll, werr;
   engine::Interval kl_vs_snapkv;  // paired KL difference (this − snapkv), when has_pair
-  double kept = 0;  // entries kept / entries before, over every layer, KV head and sequence
+  double kept = 0;  // entries kept / entries before, over every compression, layer, KV head and sequence
+  Index peak_entries = 0;  // the most entries a KV head of a layer held
+  double compressions = 0;  // compressions per layer and sequence
   bool has_pair = false;
   double seconds = 0;
 };
@@ -296,8 +353,11 @@ struct EvalRow {
 inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vector<std::vector<int>>& seqs,
                                      const engine::EvalConfig& config, const std::vector<std::string>& methods,
                                      const std::vector<double>& ratios, const MethodOptions& opts,
-                                     std::uint64_t seed, bool progress, const LayerScheduleArguments& schedule = {}) {
-  engine::TeacherForcedEval ev(model, seqs, config);
+                                     std::uint64_t seed, bool progress, const LayerScheduleArguments& schedule = {},
+                                     const GrowthOptions& growth = {}) {
+  engine::EvalConfig cfg = config;
+  cfg.prefill_chunk = growth.prefill_chunk;
+  engine::TeacherForcedEval ev(model, seqs, cfg);
   const int layers = model.config().n_layers;
   std::vector<EvalRow> rows;
   std::vector<engine::EvalResult> results;  // parallel to rows
@@ -306,27 +366,43 @@ inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vect
   for (double ratio : ratios) {
     for (const auto& method : methods) {
       const Compressor comp = make_method(method, opts);
-      // Per sequence: mean over layers of the window attention-output error.
-      std::vector<double> werr;
+      // Per sequence: mean over its layer compressions of the window attention-output error.
+      std::vector<std::pair<double, int>> err;  // per sequence: sum, count
       int calls = 0;
-      double acc = 0;
       const Budget budget = Budget::ratio(ratio);
       double kept_entries = 0, all_entries = 0;
-      engine::LayerCompressor fn = [&](const engine::LayerInput& in) {
-        const LayerView<float> layer = view_of(in);
-        const LayerResult<float> r = comp(layer, layer_budget(budget, schedule, layers, in));
-        acc += window_output_error(layer, r);
+      const Observer observe = [&](const LayerView<float>& layer, const LayerResult<float>& r) {
+        err.back().first += window_output_error(layer, r);
+        ++err.back().second;
         for (const auto& h : r.heads) kept_entries += static_cast<double>(h.positions.size());
-        all_entries += static_cast<double>(in.Hkv * in.n);
-        if (++calls == layers) {
-          werr.push_back(acc / layers);
-          calls = 0;
-          acc = 0;
-        }
-        return to_engine(r);
+        all_entries += static_cast<double>(layer.kv_heads() * layer.tokens());
       };
+      engine::Compression plan;
+      if (growth.prefill_chunk > 0) {
+        const auto chunked = grown_compressor(
+            method_runner(method, opts),
+            chunked_prefill_arguments(budget, schedule, layers, config.prefix, config.window), observe);
+        plan.chunked = [&err, chunked] {
+          err.emplace_back(0.0, 0);  // a new sequence
+          return chunked();
+        };
+      } else {
+        plan.once = [&](const engine::LayerInput& in) {
+          if (calls++ % layers == 0) err.emplace_back(0.0, 0);  // a new sequence
+          const LayerView<float> layer = view_of(in);
+          const LayerResult<float> r = comp(layer, layer_budget(budget, schedule, layers, in));
+          observe(layer, r);
+          return to_engine(r, opts.reposition.value_or(false));
+        };
+      }
+      if (growth.decode_budget > 0)
+        plan.decoding = grown_compressor(
+            method_runner(method, opts),
+            decoding_arguments(growth.decode_budget, growth.compress_every, layers, config.window), observe);
       const auto t0 = std::chrono::steady_clock::now();
-      const engine::EvalResult res = ev.evaluate(fn);
+      const engine::EvalResult res = ev.evaluate(plan);
+      std::vector<double> werr;
+      for (const auto& e : err) werr.push_back(e.second > 0 ? e.first / e.second : 0.0);
       EvalRow row;
       row.method = method;
       row.ratio = ratio;
@@ -336,6 +412,8 @@ inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vect
       row.dnll = engine::bootstrap_mean(res.values(engine::Metric::kDeltaNll), seed);
       row.werr = engine::bootstrap_mean(werr, seed);
       row.kept = all_entries > 0 ? kept_entries / all_entries : 0.0;
+      row.peak_entries = res.peak_entries;
+      row.compressions = res.compressions;
       rows.push_back(row);
       results.push_back(res);
       ++done;
@@ -386,7 +464,8 @@ inline void print_json(const std::vector<EvalRow>& rows, std::ostream& out) {
     out << "  {\"method\": \"" << r.method << "\", \"ratio\": " << r.ratio << ", \"kl\": " << iv(r.kl)
         << ", \"top1\": " << iv(r.top1) << ", \"delta_nll\": " << iv(r.dnll) << ", \"window_error\": " << iv(r.werr);
     if (r.has_pair) out << ", \"kl_minus_snapkv\": " << iv(r.kl_vs_snapkv);
-    out << ", \"kept\": " << r.kept;
+    out << ", \"kept\": " << r.kept << ", \"peak_entries\": " << r.peak_entries
+        << ", \"compressions\": " << r.compressions;
     out << ", \"seconds\": " << r.seconds << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
   }
   out << "]\n";
@@ -394,7 +473,8 @@ inline void print_json(const std::vector<EvalRow>& rows, std::ostream& out) {
 
 inline void print_csv(const std::vector<EvalRow>& rows, std::ostream& out) {
   out << "method,ratio,kl,kl_lo,kl_hi,top1,top1_lo,top1_hi,delta_nll,delta_nll_lo,delta_nll_hi,window_error,"
-         "window_error_lo,window_error_hi,kl_minus_snapkv,kl_minus_snapkv_lo,kl_minus_snapkv_hi,kept\n";
+         "window_error_lo,window_error_hi,kl_minus_snapkv,kl_minus_snapkv_lo,kl_minus_snapkv_hi,kept,peak_entries,"
+         "compressions\n";
   for (const auto& r : rows) {
     out << r.method << "," << r.ratio;
     for (const auto* i : {&r.kl, &r.top1, &r.dnll, &r.werr}) out << "," << i->mean << "," << i->lo << "," << i->hi;
@@ -402,7 +482,7 @@ inline void print_csv(const std::vector<EvalRow>& rows, std::ostream& out) {
       out << "," << r.kl_vs_snapkv.mean << "," << r.kl_vs_snapkv.lo << "," << r.kl_vs_snapkv.hi;
     else
       out << ",,,";
-    out << "," << r.kept << "\n";
+    out << "," << r.kept << "," << r.peak_entries << "," << r.compressions << "\n";
   }
 }
 
@@ -448,7 +528,9 @@ inline int cmd_eval(Args& a, std::ostream& out) {
   if (json && csv) throw std::invalid_argument("give either --json or --csv, not both");
   const MethodOptions opts = method_options(a);
   const LayerScheduleArguments schedule = layer_schedule(a);
+  const GrowthOptions growth = growth_options(a);
   a.reject_unused();
+  check_growth(growth, opts);
   for (const auto& m : methods) make_method(m, opts);  // fail fast on a bad name or option
 
   std::vector<std::vector<int>> seqs;
@@ -465,12 +547,16 @@ inline int cmd_eval(Args& a, std::ostream& out) {
                                     std::to_string(seqs[s][t]) + " is outside the model's vocabulary [0, " +
                                     std::to_string(model.config().vocab_size) + ")");
   if (tokens_path.empty()) seqs = engine::sample_sequences(model, static_cast<int>(samples), static_cast<int>(length), seed);
-  const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet, schedule);
+  const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet, schedule, growth);
   if (json) print_json(rows, out);
   else if (csv) print_csv(rows, out);
   else {
-    out << seqs.size() << " sequences of " << seqs[0].size() << " tokens, prefix " << config.prefix << " compressed per layer, window "
-        << config.window << "; means over sequences with bootstrap 95% intervals\n";
+    out << seqs.size() << " sequences of " << seqs[0].size() << " tokens, prefix " << config.prefix << " compressed per layer";
+    if (growth.prefill_chunk > 0) out << " after each " << growth.prefill_chunk << "-token chunk";
+    if (growth.decode_budget > 0)
+      out << ", then to " << growth.decode_budget << " entries while decoding"
+          << (growth.compress_every > 0 ? " every " + std::to_string(growth.compress_every) + " tokens" : std::string());
+    out << ", window " << config.window << "; means over sequences with bootstrap 95% intervals\n";
     print_table(rows, out);
   }
   return 0;
@@ -539,6 +625,7 @@ inline std::string usage() {
          "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge|nearest-key|cam\n"
          "  --compensator none|log-ratio|merge-count --allocation uniform|adakv\n"
          "generate, eval: --layer-budgets uniform|pyramid [--pyramid-beta 20]\n"
+         "  --prefill-chunk C (compress after every C prompt tokens) --decode-budget N [--compress-every K]\n"
          "methods:" + methods + "\n";
 }
 

@@ -19,6 +19,15 @@ struct BudgetSpec {
   std::vector<Index> budgets;
 };
 
+/// The library's DecodingCompressor of a runner's method, behind a virtual call.
+template <class T>
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  /// DecodingCompressor::step: compresses `cache` into `out` when due, and says whether it did.
+  virtual bool step(const LayerView<T>& cache, LayerResult<float>& out, Workspace<float>& ws) = 0;
+};
+
 template <class T>
 class Runner {
  public:
@@ -28,9 +37,24 @@ class Runner {
   /// Reusing out and ws: the library's run(layer, budget, out, ws).
   virtual void run(const LayerView<T>& layer, const BudgetSpec& budget, LayerResult<float>& out,
                    Workspace<float>& ws) const = 0;
+  /// A compressor of a growing cache with this method (throws kvc::error when the method's selector
+  /// cannot keep the sinks and recent entries `args` asks for).
+  virtual std::unique_ptr<Decoder<T>> decoder(const DecodingArguments& args) const = 0;
 };
 
 namespace detail {
+
+template <class T, class Preset>
+class PresetDecoder final : public Decoder<T> {
+ public:
+  PresetDecoder(const Preset& preset, const DecodingArguments& args) : compressor_(preset, args) {}
+  bool step(const LayerView<T>& cache, LayerResult<float>& out, Workspace<float>& ws) override {
+    return compressor_.step(cache, out, ws);
+  }
+
+ private:
+  DecodingCompressor<Preset> compressor_;
+};
 
 template <class T, class Preset>
 class PresetRunner final : public Runner<T> {
@@ -42,6 +66,9 @@ class PresetRunner final : public Runner<T> {
   void run(const LayerView<T>& layer, const BudgetSpec& b, LayerResult<float>& out, Workspace<float>& ws) const override {
     if (b.per_head) preset_.run(layer, b.budgets, out, ws);
     else preset_.run(layer, b.budget, out, ws);
+  }
+  std::unique_ptr<Decoder<T>> decoder(const DecodingArguments& args) const override {
+    return std::make_unique<PresetDecoder<T, Preset>>(preset_, args);
   }
 
  private:

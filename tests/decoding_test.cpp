@@ -160,9 +160,11 @@ TEST_CASE("DecodingCompressor rejects arguments it cannot honour", "[decoding][e
   a.recent = -1;
   CHECK_THROWS_WITH(make(a), Contains(">= 0"));
   a.recent = 2;
-  CHECK_THROWS_WITH(kvc::DecodingCompressor<kvc::FullCache>(kvc::FullCache{}, a), Contains("cannot keep"));
-  a.recent = 0;
-  CHECK_NOTHROW(kvc::DecodingCompressor<kvc::FullCache>(kvc::FullCache{}, a));
+  a.sinks = 1;  // ThresholdSelect has no sinks to force
+  CHECK_THROWS_WITH(kvc::DecodingCompressor<kvc::Threshold>(kvc::Threshold{}, a), Contains("cannot keep"));
+  a.sinks = 0;
+  CHECK_NOTHROW(kvc::DecodingCompressor<kvc::Threshold>(kvc::Threshold{}, a));
+  CHECK_NOTHROW(kvc::DecodingCompressor<kvc::FullCache>(kvc::FullCache{}, a));  // keeps every entry anyway
 
   // A bad cache is an error and `out` stays as it was.
   Cache c(9);

@@ -72,6 +72,8 @@ struct SequenceMetrics {
 struct EvalResult {
   std::vector<SequenceMetrics> per_sequence;
   double mean_kl = 0, mean_top1 = 0, mean_delta_nll = 0;  ///< means over sequences
+  std::ptrdiff_t peak_entries = 0;  ///< the most entries any KV head of any layer held, over sequences
+  double compressions = 0;          ///< layer compressions per sequence and layer, mean over sequences
   std::vector<double> mean_kl_by_step;                     ///< [steps] KL per step, mean over sequences
 
   /// The per-sequence values of one metric (input to the bootstrap helpers).
@@ -89,12 +91,32 @@ struct EvalConfig {
   std::ptrdiff_t window = ProtocolDefaults::kWindow;  ///< W window queries recorded for the compressor
   bool include_prefill_prediction = true;             ///< score the prediction of x_P (see below)
   bool batched_prefill = true;
+  /// > 0: the prefix is fed in chunks of this many tokens (the full-cache reference too), and the
+  /// cache compressed after each (Compression::chunked) instead of once after the prefix.
+  std::ptrdiff_t prefill_chunk = 0;
+};
+
+/// How a run compresses the cache. `once`: after an unchunked prefix (Session::compress). `chunked`:
+/// after every chunk of a chunked prefix. `decoding`: after every token fed after the prefix. The last
+/// two make one engine::CacheCompressor per sequence (it counts steps). Empty members do nothing.
+struct Compression {
+  LayerCompressor once;
+  std::function<CacheCompressor()> chunked;
+  std::function<CacheCompressor()> decoding;
+};
+
+/// What one compressed run did.
+struct RunStats {
+  std::ptrdiff_t peak_entries = 0;  ///< Session::peak_length()
+  std::ptrdiff_t compressions = 0;  ///< Session::compressions()
 };
 
 /// Teacher-forced comparison of a compressed cache with the full cache on fixed sequences.
 ///
 /// Convention (sequence x_0 .. x_{L-1}, prefix P, 1 <= P < L):
 ///  - prefill(x_0 .. x_{P-1}) with window W, then session.compress(fn) (the reference skips this);
+///    with a prefill chunk C, the prefix is fed C tokens at a time, compressed after each chunk;
+///  - a decoding compression runs after every token fed after the prefix;
 ///  - the prediction for continuation token x_t (t = P .. L-1) is log_softmax of the logits returned
 ///    after feeding x_{t-1}: for t = P these are prefill()'s logits, computed before compression, so
 ///    this step is identical for every method (KL 0, same top-1, ΔNLL 0) and is counted only when
@@ -121,6 +143,7 @@ class TeacherForcedEval {
                                   std::to_string(model.config().seq_len));
     }
     if (config_.window < 0) throw std::invalid_argument("kvc::engine: window must be >= 0");
+    if (config_.prefill_chunk < 0) throw std::invalid_argument("kvc::engine: prefill_chunk must be >= 0");
     for (std::size_t s = 0; s < sequences_.size(); ++s) {
       if (sequences_[s].size() != L) {
         throw std::invalid_argument("kvc::engine: sequence " + std::to_string(s) + " has length " +
@@ -148,14 +171,37 @@ class TeacherForcedEval {
 
   /// Log-probabilities [steps][vocab] of sequence s under `fn` (nullptr = no compression).
   std::vector<double> log_probs(std::size_t s, const LayerCompressor* fn) const {
+    Compression plan;
+    if (fn != nullptr) plan.once = *fn;
+    return log_probs(s, plan);
+  }
+
+  /// Log-probabilities [steps][vocab] of sequence s under `plan`; `stats` (optional) gets what it did.
+  std::vector<double> log_probs(std::size_t s, const Compression& plan, RunStats* stats = nullptr) const {
     const std::vector<int>& seq = sequences_.at(s);
     const std::ptrdiff_t P = config_.prefix;
     const std::ptrdiff_t L = length();
     const std::ptrdiff_t V = model_->config().vocab_size;
+    const std::ptrdiff_t C = config_.prefill_chunk;
+    if (C > 0 && plan.once)
+      throw std::invalid_argument("kvc::engine: a chunked prefill compresses after each chunk (Compression::chunked), not once");
+    if (C <= 0 && plan.chunked)
+      throw std::invalid_argument("kvc::engine: Compression::chunked needs EvalConfig::prefill_chunk > 0");
     Session session(*model_);
     const std::vector<int> prefix(seq.begin(), seq.begin() + P);
-    std::vector<float> logits = session.prefill(prefix, config_.window, config_.batched_prefill);
-    if (fn != nullptr) session.compress(*fn);
+    std::vector<float> logits;
+    if (C > 0 || plan.decoding) session.keep_queries(config_.window);
+    if (C > 0) {
+      const CacheCompressor chunked = plan.chunked ? plan.chunked() : CacheCompressor();
+      for (std::ptrdiff_t at = 0; at < P; at += C) {
+        logits = session.feed(std::vector<int>(prefix.begin() + at, prefix.begin() + std::min(P, at + C)));
+        if (chunked) session.compress_grown(chunked);
+      }
+    } else {
+      logits = session.prefill(prefix, config_.window, config_.batched_prefill);
+      if (plan.once) session.compress(plan.once);
+    }
+    const CacheCompressor decoding = plan.decoding ? plan.decoding() : CacheCompressor();
     std::vector<double> out;
     out.reserve(static_cast<std::size_t>(steps() * V));
     if (config_.include_prefill_prediction) {
@@ -164,14 +210,23 @@ class TeacherForcedEval {
     }
     for (std::ptrdiff_t t = P + 1; t < L; ++t) {  // predicts x_t from x_{t-1}
       logits = session.forward(seq[static_cast<std::size_t>(t - 1)]);
+      if (decoding) session.compress_grown(decoding);
       const std::vector<double> lp = log_softmax(logits);
       out.insert(out.end(), lp.begin(), lp.end());
     }
+    if (stats) *stats = {session.peak_length(), session.compressions()};
     return out;
   }
 
   /// Runs every sequence with `fn` and compares it with the cached full-cache reference.
   EvalResult evaluate(const LayerCompressor& fn) {
+    Compression plan;
+    plan.once = fn;
+    return evaluate(plan);
+  }
+
+  /// Runs every sequence with `plan` and compares it with the cached full-cache reference.
+  EvalResult evaluate(const Compression& plan) {
     ensure_reference();
     const std::ptrdiff_t V = model_->config().vocab_size;
     const std::ptrdiff_t C = steps();
@@ -179,7 +234,11 @@ class TeacherForcedEval {
     EvalResult result;
     result.mean_kl_by_step.assign(static_cast<std::size_t>(C), 0.0);
     for (std::size_t s = 0; s < sequences_.size(); ++s) {
-      const std::vector<double> q = log_probs(s, &fn);
+      RunStats stats;
+      const std::vector<double> q = log_probs(s, plan, &stats);
+      result.peak_entries = std::max(result.peak_entries, stats.peak_entries);
+      result.compressions += static_cast<double>(stats.compressions) /
+                             (static_cast<double>(model_->config().n_layers) * static_cast<double>(sequences_.size()));
       const std::vector<double>& p = reference_[s];
       SequenceMetrics m;
       m.steps = C;
@@ -221,7 +280,7 @@ class TeacherForcedEval {
     if (!reference_.empty()) return;
     std::vector<std::vector<double>> ref;
     ref.reserve(sequences_.size());
-    for (std::size_t s = 0; s < sequences_.size(); ++s) ref.push_back(log_probs(s, nullptr));
+    for (std::size_t s = 0; s < sequences_.size(); ++s) ref.push_back(log_probs(s, Compression{}));
     reference_ = std::move(ref);
   }
 

@@ -2,7 +2,9 @@
 //
 // Contents: Config, Model (validated checkpoint loader), Tokenizer (tok*.bin loader, decode, greedy
 // BPE encode), Session (KV cache + RoPE position, forward, prefill recording the window queries,
-// compress hook, extend: a batched multi-token step over a possibly compressed cache),
+// compress hook, extend/feed: a batched multi-token step over a possibly compressed cache,
+// keep_queries/cache_input/compress_grown: compression while the cache grows, chunk by chunk or
+// token by token),
 // full_compressor(), sampling helpers (argmax, softmax, log_softmax, seeded
 // temperature sampling) and generate().
 //
@@ -25,6 +27,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -572,7 +575,10 @@ class Tokenizer {
 
 /// One layer's cache handed to a compressor. keys/values: element (g, j, c) at
 /// `g * head_stride + j * d + c` for g < Hkv, j < n, c < d (post-RoPE keys as cached).
-/// queries: [Hq][W][d] contiguous, the post-RoPE queries of prefill positions n-W .. n-1 (SPEC §1 Qw).
+/// queries: [Hq][W][d], row w of head h at `h * queries_head_stride + w * d` (0: W * d), the
+/// post-RoPE queries of the tokens at cache entries n-W .. n-1 (SPEC §1 Qw).
+/// positions, bias: [Hkv][n] with head stride `state_stride`, each entry's RoPE position and additive
+/// logit bias; null after a prefill that nothing compressed yet (entry j at position j, bias 0).
 struct LayerInput {
   int layer = 0;
   const float* keys = nullptr;
@@ -580,22 +586,33 @@ struct LayerInput {
   const float* queries = nullptr;
   std::ptrdiff_t n = 0, W = 0, Hkv = 0, Hq = 0, d = 0;
   std::ptrdiff_t head_stride = 0;  ///< elements between heads in keys/values
+  std::ptrdiff_t queries_head_stride = 0;
+  const std::ptrdiff_t* positions = nullptr;
+  const float* bias = nullptr;
+  std::ptrdiff_t state_stride = 0;  ///< elements between heads in positions and bias
 };
 
 /// A compressor's result for one layer. keys/values: [Hkv][m][d]; bias: [Hkv][m] additive logit bias
 /// (may be empty = all zeros; -inf is allowed to mask padding slots, NaN/+inf are not);
 /// lengths: the entries of each KV head (<= m; rows beyond are padding and never read), or empty
 /// when every head keeps m; next_position: RoPE position of the next decoded token (must agree
-/// across layers).
+/// across layers); positions: [Hkv][m] each kept entry's RoPE position (that of its key), or empty:
+/// head g's entry i at next_position − length_g + i.
 struct CompressedLayer {
   std::ptrdiff_t m = 0;
   std::vector<std::ptrdiff_t> lengths;
+  std::vector<std::ptrdiff_t> positions;
   std::vector<float> keys, values;
   std::vector<float> bias;
   std::ptrdiff_t next_position = 0;
 };
 
 using LayerCompressor = std::function<CompressedLayer(const LayerInput&)>;
+
+/// Compression while the cache grows (chunked prefill, decoding): called with a layer's current cache
+/// (Session::cache_input) after tokens were appended; returns the layer's new cache when it compressed
+/// it, or nothing. Keeps its own state (steps since its last compression), so one per sequence.
+using CacheCompressor = std::function<std::optional<CompressedLayer>(const LayerInput&)>;
 
 /// Identity compressor: copies every entry, bias 0, next_position = n.
 inline LayerCompressor full_compressor() {
@@ -621,11 +638,12 @@ inline LayerCompressor full_compressor() {
 // ---------------------------------------------------------------------------------------------
 
 /// Inference state over one Model (which must outlive the session). Per layer: keys and values
-/// [Hkv][capacity][d], an additive logit bias [Hkv][capacity], a length per KV head (equal until a
-/// compressor keeps different numbers of entries per head), and the window queries [Hq][W][d]
-/// recorded by the last prefill(). Head g's entries are its slots 0 .. length(layer, g) − 1; a new
-/// token goes to slot length(layer, g) of every head g. One RoPE position counter `position()` for the
-/// next token; after compression the lengths may be smaller than it.
+/// [Hkv][capacity][d], an additive logit bias and each entry's RoPE position [Hkv][capacity], a length
+/// per KV head (equal until a compressor keeps different numbers of entries per head), the window
+/// queries [Hq][W][d] recorded by the last prefill(), and with keep_queries() the queries of the
+/// newest tokens. Head g's entries are its slots 0 .. length(layer, g) − 1; a new token goes to slot
+/// length(layer, g) of every head g. One RoPE position counter `position()` for the next token; after
+/// compression the lengths may be smaller than it.
 class Session {
  public:
   using MatRM = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -641,6 +659,7 @@ class Session {
       s.len.assign(static_cast<std::size_t>(c.n_kv_heads), 0);
       s.values.assign(s.keys.size(), 0.0f);
       s.bias.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_), 0.0f);
+      s.positions.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_), 0);
     }
   }
 
@@ -678,14 +697,19 @@ class Session {
   const float* bias(int layer) const { return state(layer).bias.data(); }      // [Hkv][capacity]
   const float* queries(int layer) const { return state(layer).queries.data(); }  // [Hq][W][d]
 
-  /// Empties the cache, zeroes the biases and resets the position to 0.
+  /// Empties the cache, zeroes the biases, resets the position to 0 and the counters
+  /// (compressions(), peak_length()); keep_queries() stays set, with nothing kept.
   void reset() {
     for (LayerState& s : layers_) {
       std::fill(s.len.begin(), s.len.end(), 0);
       std::fill(s.bias.begin(), s.bias.end(), 0.0f);
       s.queries.clear();
+      s.tail = 0;
     }
     pos_ = 0;
+    ring_filled_ = 0;
+    compressions_ = 0;
+    peak_ = 0;
     window_ = 0;
     window_valid_ = false;
   }
@@ -714,6 +738,14 @@ class Session {
     std::vector<std::vector<float>> out(static_cast<std::size_t>(T));
     for (std::ptrdiff_t t = 0; t < T; ++t) out[static_cast<std::size_t>(t)] = row_vector(logits, t);
     return out;
+  }
+
+  /// extend() returning only the logits after the last token (empty `tokens`: an error).
+  std::vector<float> feed(const std::vector<int>& tokens) {
+    if (tokens.empty()) throw std::invalid_argument("kvc::engine: feed() needs at least one token");
+    const MatRM logits = run_block(tokens.data(), static_cast<std::ptrdiff_t>(tokens.size()), kNoWindowRows, LogitRows::kLast);
+    window_valid_ = false;
+    return row_vector(logits, 0);
   }
 
   /// Runs `tokens` (non-empty) and returns the logits after the last one. Records, for every layer,
@@ -784,70 +816,199 @@ class Session {
     for (int l = 0; l < c.n_layers; ++l) {
       out[static_cast<std::size_t>(l)] = fn(layer_input(l));
       const CompressedLayer& r = out[static_cast<std::size_t>(l)];
-      const std::string where = "kvc::engine: compressor output for layer " + std::to_string(l) + ": ";
-      if (r.m < 0 || r.m > capacity_) {
-        throw std::runtime_error(where + "m = " + std::to_string(r.m) + " outside [0, capacity = " + std::to_string(capacity_) + "]");
-      }
-      const std::size_t kv_size = static_cast<std::size_t>(c.n_kv_heads * r.m * d_);
-      if (r.keys.size() != kv_size || r.values.size() != kv_size) {
-        throw std::runtime_error(where + "keys/values have " + std::to_string(r.keys.size()) + "/" +
-                                 std::to_string(r.values.size()) + " elements, expected Hkv*m*d = " + std::to_string(kv_size));
-      }
-      if (!r.bias.empty() && r.bias.size() != static_cast<std::size_t>(c.n_kv_heads * r.m)) {
-        throw std::runtime_error(where + "bias has " + std::to_string(r.bias.size()) +
-                                 " elements, expected Hkv*m = " + std::to_string(c.n_kv_heads * r.m) + " (or none)");
-      }
-      for (std::size_t i = 0; i < kv_size; ++i) {
-        if (!std::isfinite(r.keys[i]) || !std::isfinite(r.values[i])) {
-          throw std::runtime_error(where + "non-finite key or value at element " + std::to_string(i));
-        }
-      }
-      for (std::size_t i = 0; i < r.bias.size(); ++i) {
-        if (std::isnan(r.bias[i]) || r.bias[i] == std::numeric_limits<float>::infinity()) {
-          throw std::runtime_error(where + "bias is NaN or +inf at element " + std::to_string(i));
-        }
-      }
-      if (!r.lengths.empty() && r.lengths.size() != static_cast<std::size_t>(c.n_kv_heads)) {
-        throw std::runtime_error(where + "lengths has " + std::to_string(r.lengths.size()) +
-                                 " entries, expected one per KV head (" + std::to_string(c.n_kv_heads) + ") or none");
-      }
-      for (const std::ptrdiff_t len : r.lengths) {
-        if (len < 1 || len > r.m) {
-          throw std::runtime_error(where + "a head length " + std::to_string(len) + " is outside [1, m = " +
-                                   std::to_string(r.m) + "]");
-        }
-      }
-      if (r.next_position < 0) {
-        throw std::runtime_error(where + "next_position = " + std::to_string(r.next_position) + " is negative");
-      }
+      check_result(l, r);
       if (r.next_position != out[0].next_position) {
-        throw std::runtime_error(where + "next_position = " + std::to_string(r.next_position) +
-                                 " differs from layer 0's " + std::to_string(out[0].next_position));
+        throw std::runtime_error("kvc::engine: compressor output for layer " + std::to_string(l) + ": next_position = " +
+                                 std::to_string(r.next_position) + " differs from layer 0's " +
+                                 std::to_string(out[0].next_position));
       }
-    }
-    for (int l = 0; l < c.n_layers; ++l) {
-      LayerState& s = layers_[static_cast<std::size_t>(l)];
-      const CompressedLayer& r = out[static_cast<std::size_t>(l)];
-      for (std::ptrdiff_t g = 0; g < c.n_kv_heads; ++g) {
-        const std::ptrdiff_t rows = r.m * d_;
-        std::copy(r.keys.begin() + g * rows, r.keys.begin() + (g + 1) * rows, s.keys.begin() + g * head_stride());
-        std::copy(r.values.begin() + g * rows, r.values.begin() + (g + 1) * rows, s.values.begin() + g * head_stride());
-        float* b = s.bias.data() + g * capacity_;
-        std::fill(b, b + capacity_, 0.0f);
-        if (!r.bias.empty()) std::copy(r.bias.begin() + g * r.m, r.bias.begin() + (g + 1) * r.m, b);
-      }
-      for (std::ptrdiff_t g = 0; g < c.n_kv_heads; ++g)
-        s.len[static_cast<std::size_t>(g)] = r.lengths.empty() ? r.m : r.lengths[static_cast<std::size_t>(g)];
     }
     pos_ = out.empty() ? pos_ : out[0].next_position;
+    for (int l = 0; l < c.n_layers; ++l) write_layer(l, out[static_cast<std::size_t>(l)]);
     window_valid_ = false;
+    compressions_ += c.n_layers;
   }
+
+  /// Keeps, from the next token fed on (prefill, extend, forward), the post-RoPE queries of the last
+  /// `rows` tokens of every layer: the window of cache_input(). 0 stops it. Forgets what was kept.
+  void keep_queries(std::ptrdiff_t rows) {
+    if (rows < 0) throw std::invalid_argument("kvc::engine: keep_queries() rows must be >= 0, got " + std::to_string(rows));
+    const Config& c = model_->config();
+    for (LayerState& s : layers_) s.ring.assign(static_cast<std::size_t>(c.n_heads * rows * d_), 0.0f);
+    ring_rows_ = rows;
+    ring_filled_ = 0;
+  }
+
+  /// Window rows cache_input(layer) hands over now: the kept queries of the newest tokens that are
+  /// still the layer's last entries, in order (a compression may have evicted some of them).
+  std::ptrdiff_t window_rows(int layer) const {
+    const LayerState& s = state(layer);
+    return std::min({ring_filled_, s.tail, length(layer)});
+  }
+
+  /// RoPE position of entry i of KV head g of `layer` (the position its key was rotated at).
+  std::ptrdiff_t entry_position(int layer, int g, std::ptrdiff_t i) const {
+    if (i < 0 || i >= length(layer, g))
+      throw std::out_of_range("kvc::engine: entry " + std::to_string(i) + " outside [0, " +
+                              std::to_string(length(layer, g)) + ")");
+    return state(layer).positions[static_cast<std::size_t>(g * capacity_ + i)];
+  }
+
+  /// The view of `layer` as it is now for a compression while the cache grows: every entry with its
+  /// RoPE position and bias, and as window the last window_rows(layer) kept queries. Throws
+  /// std::runtime_error when the KV heads hold different numbers of entries (a view has one length)
+  /// or no window query is available (keep_queries()).
+  LayerInput cache_input(int layer) const {
+    const Config& c = model_->config();
+    const LayerState& s = state(layer);
+    const std::ptrdiff_t n = s.len[0];
+    for (const std::ptrdiff_t len : s.len) {
+      if (len != n) {
+        throw std::runtime_error("kvc::engine: layer " + std::to_string(layer) +
+                                 ": compressing a grown cache needs every KV head to hold the same number of entries "
+                                 "(per-head budgets left them at " + std::to_string(len) + " and " + std::to_string(n) + ")");
+      }
+    }
+    const std::ptrdiff_t w = window_rows(layer);
+    if (w < 1) {
+      throw std::runtime_error("kvc::engine: layer " + std::to_string(layer) + ": no window queries for the cache's newest entries (" +
+                               (ring_rows_ == 0 ? std::string("call keep_queries() before feeding tokens")
+                                                : std::string("none fed since the last compression")) + ")");
+    }
+    LayerInput in;
+    in.layer = layer;
+    in.keys = s.keys.data();
+    in.values = s.values.data();
+    in.queries = s.ring.data() + (ring_rows_ - w) * d_;
+    in.queries_head_stride = ring_rows_ * d_;
+    in.n = n;
+    in.W = w;
+    in.Hkv = c.n_kv_heads;
+    in.Hq = c.n_heads;
+    in.d = d_;
+    in.head_stride = head_stride();
+    in.positions = s.positions.data();
+    in.bias = s.bias.data();
+    in.state_stride = capacity_;
+    return in;
+  }
+
+  /// Writes `r` as the new cache of `layer` after a compression while the cache grew: the checks of
+  /// compress(), and next_position must equal position() (RoPE positions stay). On error nothing changes.
+  void replace_layer(int layer, const CompressedLayer& r) {
+    state(layer);
+    check_result(layer, r);
+    if (r.next_position != pos_) {
+      throw std::runtime_error("kvc::engine: compressor output for layer " + std::to_string(layer) + ": next_position = " +
+                               std::to_string(r.next_position) + " differs from position() = " + std::to_string(pos_) +
+                               " (a cache compressed while it grows keeps its RoPE positions: no repositioning)");
+    }
+    write_layer(layer, r);
+    ++compressions_;
+  }
+
+  /// Calls `fn` on every layer's cache_input() and writes what it returns (replace_layer). Returns how
+  /// many layers it compressed. A throwing `fn` or result leaves the layers before it compressed.
+  int compress_grown(const CacheCompressor& fn) {
+    int done = 0;
+    for (int l = 0; l < model_->config().n_layers; ++l) {
+      std::optional<CompressedLayer> r = fn(cache_input(l));
+      if (!r) continue;
+      replace_layer(l, *r);
+      ++done;
+    }
+    return done;
+  }
+
+  /// Layer compressions written so far (compress() counts each layer, replace_layer() one).
+  std::ptrdiff_t compressions() const { return compressions_; }
+  /// The largest entries any KV head of any layer held since the session was created or reset.
+  std::ptrdiff_t peak_length() const { return peak_; }
 
  private:
   struct LayerState {
     std::vector<float> keys, values, bias, queries;
-    std::vector<std::ptrdiff_t> len;  // per KV head
+    std::vector<std::ptrdiff_t> len;        // per KV head
+    std::vector<std::ptrdiff_t> positions;  // [Hkv][capacity] RoPE position of each entry
+    std::vector<float> ring;                // [Hq][ring_rows_][d] queries of the newest tokens, oldest first
+    std::ptrdiff_t tail = 0;                // the last `tail` entries of every head are the newest tokens, in order
   };
+
+  /// The checks every compressor result passes before anything is written.
+  void check_result(int l, const CompressedLayer& r) const {
+    const Config& c = model_->config();
+    const std::string where = "kvc::engine: compressor output for layer " + std::to_string(l) + ": ";
+    if (r.m < 0 || r.m > capacity_) {
+      throw std::runtime_error(where + "m = " + std::to_string(r.m) + " outside [0, capacity = " + std::to_string(capacity_) + "]");
+    }
+    const std::size_t kv_size = static_cast<std::size_t>(c.n_kv_heads * r.m * d_);
+    if (r.keys.size() != kv_size || r.values.size() != kv_size) {
+      throw std::runtime_error(where + "keys/values have " + std::to_string(r.keys.size()) + "/" +
+                               std::to_string(r.values.size()) + " elements, expected Hkv*m*d = " + std::to_string(kv_size));
+    }
+    if (!r.bias.empty() && r.bias.size() != static_cast<std::size_t>(c.n_kv_heads * r.m)) {
+      throw std::runtime_error(where + "bias has " + std::to_string(r.bias.size()) +
+                               " elements, expected Hkv*m = " + std::to_string(c.n_kv_heads * r.m) + " (or none)");
+    }
+    if (!r.positions.empty() && r.positions.size() != static_cast<std::size_t>(c.n_kv_heads * r.m)) {
+      throw std::runtime_error(where + "positions has " + std::to_string(r.positions.size()) +
+                               " elements, expected Hkv*m = " + std::to_string(c.n_kv_heads * r.m) + " (or none)");
+    }
+    for (std::size_t i = 0; i < kv_size; ++i) {
+      if (!std::isfinite(r.keys[i]) || !std::isfinite(r.values[i])) {
+        throw std::runtime_error(where + "non-finite key or value at element " + std::to_string(i));
+      }
+    }
+    for (std::size_t i = 0; i < r.bias.size(); ++i) {
+      if (std::isnan(r.bias[i]) || r.bias[i] == std::numeric_limits<float>::infinity()) {
+        throw std::runtime_error(where + "bias is NaN or +inf at element " + std::to_string(i));
+      }
+    }
+    if (!r.lengths.empty() && r.lengths.size() != static_cast<std::size_t>(c.n_kv_heads)) {
+      throw std::runtime_error(where + "lengths has " + std::to_string(r.lengths.size()) +
+                               " entries, expected one per KV head (" + std::to_string(c.n_kv_heads) + ") or none");
+    }
+    for (const std::ptrdiff_t len : r.lengths) {
+      if (len < 1 || len > r.m) {
+        throw std::runtime_error(where + "a head length " + std::to_string(len) + " is outside [1, m = " +
+                                 std::to_string(r.m) + "]");
+      }
+    }
+    if (r.next_position < 0) {
+      throw std::runtime_error(where + "next_position = " + std::to_string(r.next_position) + " is negative");
+    }
+    for (std::size_t i = 0; i < r.positions.size(); ++i) {
+      if (r.positions[i] < 0 || r.positions[i] >= r.next_position) {
+        throw std::runtime_error(where + "position " + std::to_string(r.positions[i]) + " at element " + std::to_string(i) +
+                                 " is outside [0, next_position = " + std::to_string(r.next_position) + ")");
+      }
+    }
+  }
+
+  /// Writes a checked result into layer l (position() already final) and finds its tail: the last
+  /// entries of every head that are the newest tokens, in order.
+  void write_layer(int l, const CompressedLayer& r) {
+    const Config& c = model_->config();
+    LayerState& s = layers_[static_cast<std::size_t>(l)];
+    std::ptrdiff_t tail = std::numeric_limits<std::ptrdiff_t>::max();
+    for (std::ptrdiff_t g = 0; g < c.n_kv_heads; ++g) {
+      const std::ptrdiff_t rows = r.m * d_;
+      const std::ptrdiff_t len = r.lengths.empty() ? r.m : r.lengths[static_cast<std::size_t>(g)];
+      std::copy(r.keys.begin() + g * rows, r.keys.begin() + (g + 1) * rows, s.keys.begin() + g * head_stride());
+      std::copy(r.values.begin() + g * rows, r.values.begin() + (g + 1) * rows, s.values.begin() + g * head_stride());
+      float* b = s.bias.data() + g * capacity_;
+      std::fill(b, b + capacity_, 0.0f);
+      if (!r.bias.empty()) std::copy(r.bias.begin() + g * r.m, r.bias.begin() + (g + 1) * r.m, b);
+      std::ptrdiff_t* p = s.positions.data() + g * capacity_;
+      for (std::ptrdiff_t i = 0; i < len; ++i)
+        p[i] = r.positions.empty() ? r.next_position - len + i : r.positions[static_cast<std::size_t>(g * r.m + i)];
+      s.len[static_cast<std::size_t>(g)] = len;
+      std::ptrdiff_t k = 0;
+      while (k < len && p[len - 1 - k] == pos_ - 1 - k) ++k;
+      tail = std::min(tail, k);
+    }
+    s.tail = c.n_kv_heads > 0 ? tail : 0;
+  }
 
   /// Which rows' logits run_block() computes: none, the last token's, or every token's.
   enum class LogitRows { kNone, kLast, kAll };
@@ -946,6 +1107,7 @@ class Session {
           std::copy(k.row(t).data() + g * d, k.row(t).data() + (g + 1) * d, s.keys.data() + g * head_stride() + slot * d);
           std::copy(v.row(t).data() + g * d, v.row(t).data() + (g + 1) * d, s.values.data() + g * head_stride() + slot * d);
           s.bias[static_cast<std::size_t>(g * capacity_ + slot)] = 0.0f;
+          s.positions[static_cast<std::size_t>(g * capacity_ + slot)] = pos_ + t;
         }
         const std::ptrdiff_t wrow = window_row_of_first == kNoWindowRows ? -1 : window_row_of_first + t;
         if (wrow >= 0 && wrow < window_) {
@@ -953,6 +1115,16 @@ class Session {
             std::copy(q.row(t).data() + h * d, q.row(t).data() + (h + 1) * d,
                       s.queries.data() + (static_cast<std::ptrdiff_t>(h) * window_ + wrow) * d);
           }
+        }
+      }
+      if (ring_rows_ > 0) {  // the ring keeps the newest ring_rows_ queries, oldest first
+        const std::ptrdiff_t fresh = std::min(T, ring_rows_);
+        for (int h = 0; h < Hq; ++h) {
+          float* r = s.ring.data() + static_cast<std::ptrdiff_t>(h) * ring_rows_ * d;
+          std::copy(r + fresh * d, r + ring_rows_ * d, r);
+          for (std::ptrdiff_t i = 0; i < fresh; ++i)
+            std::copy(q.row(T - fresh + i).data() + h * d, q.row(T - fresh + i).data() + (h + 1) * d,
+                      r + (ring_rows_ - fresh + i) * d);
         }
       }
       // Causal attention: row t sees slots 0 .. len_g + t of its KV head g.
@@ -999,8 +1171,14 @@ class Session {
       linear(h1, w.w2, dim, proj);
       x += proj;
     }
-    for (LayerState& s : layers_)
-      for (std::ptrdiff_t& len : s.len) len += T;
+    for (LayerState& s : layers_) {
+      for (std::ptrdiff_t& len : s.len) {
+        len += T;
+        peak_ = std::max(peak_, len);
+      }
+      s.tail += T;
+    }
+    ring_filled_ = std::min(ring_rows_, ring_filled_ + T);
     pos_ += T;
     MatRM logits;
     if (rows == LogitRows::kNone) return logits;
@@ -1016,6 +1194,8 @@ class Session {
   std::ptrdiff_t pos_ = 0;
   std::ptrdiff_t window_ = 0;
   bool window_valid_ = false;
+  std::ptrdiff_t ring_rows_ = 0, ring_filled_ = 0;
+  std::ptrdiff_t compressions_ = 0, peak_ = 0;
   std::vector<LayerState> layers_;
 };
 

@@ -4,6 +4,7 @@
 #include "kvcompress/core.hpp"
 #include "kvcompress/one_of.hpp"
 #include "kvcompress/pipeline.hpp"
+#include "kvcompress/selector/top_k.hpp"
 
 #include <algorithm>
 #include <type_traits>
@@ -62,6 +63,8 @@ template <class A>
 bool force_tokens(A& a, Index sinks, Index recent) {
   if constexpr (is_one_of_arguments<A>::value) {
     return std::visit([&](auto& p) { return force_tokens(p.args, sinks, recent); }, a.policy);
+  } else if constexpr (std::is_same_v<A, KeepAll::Arguments>) {
+    return true;  // keeps every entry: the forced ones too
   } else {
     bool ok = true;
     if constexpr (has_forced_sinks<A>::value) a.sinks = std::max(a.sinks, sinks);

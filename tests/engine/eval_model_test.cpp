@@ -6,8 +6,10 @@
 #include "support/test_main.hpp"
 
 #include "cli_commands.hpp"
+#include "engine_bridge.hpp"
 #include "support/test_utils.hpp"
 
+#include <cstring>
 #include <iostream>
 #include <sstream>
 
@@ -87,6 +89,168 @@ TEST_CASE("eval --tokens names the file and the element of a token id outside th
             out, err) == 2);
   CHECK_THAT(err, Catch::Contains(tmp / "tok.npy") && Catch::Contains("token [1][2] = 512") &&
                       Catch::Contains("vocabulary [0, 512)"));
+}
+
+namespace {
+using kvc::engine::Session;
+const kvc::engine::Model& shared_model() {
+  static const kvc::engine::Model m = kvc::engine::Model::load(g_model_dir + "/stories260K.bin");
+  return m;
+}
+std::vector<int> some_tokens(int n) {
+  return kvc::engine::sample_sequences(shared_model(), 1, n, 11)[0];
+}
+}  // namespace
+
+TEST_CASE("a growing cache hands over its newest tokens' queries, positions and bias", "[engine][model]") {
+  const auto& model = shared_model();
+  const kvc::engine::Config& c = model.config();
+  const std::vector<int> seq = some_tokens(70);
+  const std::ptrdiff_t W = 16;
+  Session whole(model), grown(model);
+  whole.prefill(seq, W, false);  // token by token: the same arithmetic as forward()
+  CHECK_THROWS_WITH(grown.cache_input(0), Catch::Contains("keep_queries"));
+  grown.keep_queries(W);
+  grown.prefill(std::vector<int>(seq.begin(), seq.end() - 5), W, false);
+  for (int t = 5; t > 0; --t) grown.forward(seq[seq.size() - static_cast<std::size_t>(t)]);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const kvc::engine::LayerInput a = whole.layer_input(l), b = grown.cache_input(l);
+    REQUIRE(b.W == W);
+    REQUIRE(b.n == 70);
+    for (std::ptrdiff_t h = 0; h < c.n_heads; ++h)
+      for (std::ptrdiff_t w = 0; w < W; ++w)
+        REQUIRE(std::memcmp(a.queries + (h * W + w) * a.d, b.queries + h * b.queries_head_stride + w * b.d,
+                            sizeof(float) * static_cast<std::size_t>(a.d)) == 0);
+    for (std::ptrdiff_t g = 0; g < c.n_kv_heads; ++g)
+      for (std::ptrdiff_t j = 0; j < b.n; ++j) {
+        REQUIRE(b.positions[g * b.state_stride + j] == j);
+        REQUIRE(b.bias[g * b.state_stride + j] == 0.0f);
+      }
+  }
+}
+
+TEST_CASE("compression while the cache grows equals a one-shot compression of the same cache at that step",
+          "[engine][model]") {
+  const auto& model = shared_model();
+  const kvc::engine::Config& c = model.config();
+  const std::vector<int> seq = some_tokens(200);
+  const std::ptrdiff_t W = 16, budget = 48, every = 8;
+  const auto args = kvc::cli::decoding_arguments(budget, every, c.n_layers, W);
+  auto check = [&](const std::string& method, auto preset) {
+    INFO(method);
+    using Preset = decltype(preset);
+    const kvc::DecodingCompressor<Preset> reference(preset, args[0]);  // its pipeline has the forced tokens
+    const auto make = kvc::cli::grown_compressor(kvc::cli::method_runner(method, {}), args);
+    const kvc::engine::CacheCompressor grown = make();
+    Session s(model);
+    s.keep_queries(W);
+    s.prefill(std::vector<int>(seq.begin(), seq.begin() + 40), W);
+    int compressed = 0;
+    for (std::size_t t = 40; t < seq.size(); ++t) {
+      s.forward(seq[t]);
+      std::vector<kvc::engine::CompressedLayer> want;
+      for (int l = 0; l < c.n_layers; ++l)
+        want.push_back(kvc::cli::to_engine(
+            reference.pipeline().run(kvc::cli::view_of(s.cache_input(l)), kvc::Budget::tokens(budget))));
+      const std::ptrdiff_t n = s.length(0);
+      const int done = s.compress_grown(grown);
+      if (done == 0) continue;
+      REQUIRE(done == c.n_layers);
+      REQUIRE(n > budget);
+      ++compressed;
+      for (int l = 0; l < c.n_layers; ++l) {
+        const auto& r = want[static_cast<std::size_t>(l)];
+        for (int g = 0; g < c.n_kv_heads; ++g) {
+          REQUIRE(s.length(l, g) == r.m);
+          for (std::ptrdiff_t i = 0; i < r.m; ++i) {
+            REQUIRE(s.entry_position(l, g, i) == r.positions[static_cast<std::size_t>(g * r.m + i)]);
+            REQUIRE(s.bias(l)[g * s.capacity() + i] == r.bias[static_cast<std::size_t>(g * r.m + i)]);
+          }
+          REQUIRE(std::memcmp(s.keys(l) + g * s.head_stride(), r.keys.data() + g * r.m * s.head_dim(),
+                              sizeof(float) * static_cast<std::size_t>(r.m * s.head_dim())) == 0);
+          REQUIRE(std::memcmp(s.values(l) + g * s.head_stride(), r.values.data() + g * r.m * s.head_dim(),
+                              sizeof(float) * static_cast<std::size_t>(r.m * s.head_dim())) == 0);
+        }
+      }
+      REQUIRE(s.window_rows(0) == W);  // the newest W entries were forced into the selection
+    }
+    CHECK(compressed >= 10);  // 160 decoded tokens, every 8 above 48 entries
+    CHECK(s.peak_length() <= budget + every);
+    CHECK(s.position() == 200);
+  };
+  check("snapkv", kvc::SnapKV{});
+  check("selkv", kvc::SelKV{});  // merges and a bias that composes over compressions
+}
+
+TEST_CASE("chunked prefill and decoding change no logit while the budget holds the sequence, and bound the peak",
+          "[eval][model]") {
+  const auto& model = shared_model();
+  const int L = model.config().n_layers;
+  const auto seqs = kvc::engine::sample_sequences(model, 2, 160, 5);
+  kvc::engine::EvalConfig config;
+  config.prefix = 128;
+  config.window = 16;
+  config.prefill_chunk = 48;
+  kvc::engine::TeacherForcedEval ev(model, seqs, config);
+  kvc::LayerScheduleArguments pyramid;
+  pyramid.schedule = kvc::LayerSchedule::pyramid;
+  for (const auto& method : kvc::cli::method_names()) {
+    if (method == "observed-attention") continue;  // reads every prefill query: not a growing cache's window
+    INFO(method);
+    kvc::cli::MethodOptions keep_all;
+    if (method == "threshold") keep_all.threshold = -1.0;
+    const auto runner = kvc::cli::method_runner(method, keep_all);
+    for (const auto& schedule : {kvc::LayerScheduleArguments{}, pyramid}) {
+      kvc::engine::Compression plan;
+      plan.chunked = kvc::cli::grown_compressor(
+          runner, kvc::cli::chunked_prefill_arguments(kvc::Budget::ratio(1.0), schedule, L, config.prefix, config.window));
+      plan.decoding = kvc::cli::grown_compressor(runner, kvc::cli::decoding_arguments(1000, 0, L, config.window));
+      const auto res = ev.evaluate(plan);
+      CHECK(res.mean_kl == 0.0);
+      CHECK(res.mean_top1 == 1.0);
+      CHECK(res.compressions == 0.0);
+      CHECK(res.peak_entries == 159);
+    }
+  }
+  // Budgets below the sequence: compressions run, and the cache never holds more than budget + chunk
+  // in the prefill, budget + every in decoding.
+  for (const std::string method : {"snapkv", "selkv", "grkv"}) {
+    INFO(method);
+    const auto runner = kvc::cli::method_runner(method, {});
+    kvc::engine::Compression plan;
+    plan.chunked = kvc::cli::grown_compressor(
+        runner, kvc::cli::chunked_prefill_arguments(kvc::Budget::ratio(0.25), {}, L, config.prefix, config.window));
+    auto res = ev.evaluate(plan);
+    CHECK(res.mean_kl > 0.0);
+    CHECK(res.peak_entries == 32 + 48);  // the kept 32 and the next chunk of 48
+    CHECK(res.compressions == 3.0);      // after each chunk: 48, then 32 + 48, then 32 + 32 entries
+    plan.decoding = kvc::cli::grown_compressor(runner, kvc::cli::decoding_arguments(20, 4, L, config.window));
+    res = ev.evaluate(plan);
+    CHECK(res.peak_entries <= std::max<std::ptrdiff_t>(32 + 48, 20 + 4));
+    CHECK(res.compressions > 2.0);
+  }
+}
+
+TEST_CASE("generate and eval compress while the cache grows, and refuse what cannot", "[cli][model]") {
+  std::string out, err;
+  REQUIRE(run({"generate", "--prompt", "Once upon a time there was a girl", "--method", "snapkv", "--budget", "6",
+               "--prefill-chunk", "4", "--decode-budget", "12", "--compress-every", "4", "--window", "4",
+               "--max-tokens", "30"},
+              out, err) == 0);
+  CHECK_THAT(out, Catch::Contains("peak entries per layer and head: 16"));
+  REQUIRE(run({"eval", "--samples", "2", "--length", "200", "--prefix", "160", "--methods", "snapkv,selkv",
+               "--ratios", "0.25", "--prefill-chunk", "64", "--decode-budget", "48", "--compress-every", "8",
+               "--window", "16", "--json", "--quiet"},
+              out, err) == 0);
+  CHECK_THAT(out, Catch::Contains("\"peak_entries\": ") && Catch::Contains("\"compressions\": "));
+  CHECK(run({"eval", "--samples", "2", "--methods", "snapkv", "--compress-every", "8"}, out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--compress-every needs --decode-budget"));
+  CHECK(run({"eval", "--samples", "2", "--methods", "snapkv", "--decode-budget", "64", "--reposition"}, out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--reposition does not apply"));
+  CHECK(run({"eval", "--samples", "2", "--length", "200", "--prefix", "160", "--methods", "snapkv", "--allocation",
+             "adakv", "--decode-budget", "64", "--quiet"},
+            out, err) != 0);
+  CHECK_THAT(err, Catch::Contains("same number of entries"));
 }
 
 namespace {

@@ -107,8 +107,141 @@ void BM_StreamFma(benchmark::State& state) {
   state.counters["frac_stream"] = double(bytes) / best / stream_bytes_per_second(bytes);
 }
 
+/// Decoding with compression (DecodingCompressor), against decoding over a fixed-size cache. The cache
+/// starts at `budget` = range(0) entries (every other token of a 2·budget-token prompt of the bench
+/// layer); 2·budget tokens are decoded, each appended (its key and value from the layer's rows), then
+/// attended to by 32 query heads (decode_attention, with the stored bias), and every budget/8 tokens
+/// the cache is compressed back to `budget` with Preset (window: the last 32 queries, kept in a
+/// doubled ring so that they are contiguous; the newest 32 entries forced) and compacted in place. The
+/// baseline decodes the same tokens over a cache of `budget` entries, each new token overwriting the
+/// oldest slot. range(1) = 1: the cache and bias are flushed from every cache level before each step
+/// (untimed), as in a model whose other layers pass through the caches between two steps of this one.
+/// x_fixed = growing / fixed seconds (the compressions included); compress_ms: one compression
+/// (pipeline run and compaction), mean.
+template <class Preset>
+void BM_DecodeGrowing(benchmark::State& state) {
+  const Index budget = state.range(0), every = budget / 8, steps = 2 * budget, H = 8, Hq = 32, d = 128, W = 32;
+  const bool cold = state.range(1) != 0;
+  const Index cap = budget + every + 1;
+  const BenchLayer& layer = layer_of(2 * budget);
+  auto row = [&](const CacheBuffer<float>& src, Index g, Index j) { return src.data() + (g * layer.tokens + j) * d; };
+  CacheBuffer<float> keys(std::size_t(H * cap * d)), values(std::size_t(H * cap * d));
+  std::vector<float> bias(std::size_t(H * cap)), ring(std::size_t(Hq * 2 * W * d));
+  std::vector<Index> positions(std::size_t(H * cap));
+  DecodingArguments args;
+  args.target_size = budget;
+  args.every = every;
+  args.max_size = budget + every;
+  args.sinks = 0;
+  args.recent = W;
+  const TensorView<float> kall = make_head_major(keys.data(), H, cap, d), vall = make_head_major(values.data(), H, cap, d);
+  RowMatrix<float> q(Hq, d), out;
+  auto query = [&](Index step) {  // the layer's window queries, in turn
+    for (Index h = 0; h < Hq; ++h)
+      std::copy(layer.queries.data() + (h * layer.window + step % layer.window) * d,
+                layer.queries.data() + (h * layer.window + step % layer.window + 1) * d, q.row(h).data());
+  };
+  auto append = [&](Index slot, Index step) {
+    const Index src = (2 * budget - 1 - step % (2 * budget));
+    for (Index g = 0; g < H; ++g) {
+      std::copy(row(layer.keys, g, src), row(layer.keys, g, src) + d, keys.data() + (g * cap + slot) * d);
+      std::copy(row(layer.values, g, src), row(layer.values, g, src) + d, values.data() + (g * cap + slot) * d);
+    }
+  };
+  auto fill = [&] {
+    for (Index g = 0; g < H; ++g)
+      for (Index i = 0; i < budget; ++i) {
+        std::copy(row(layer.keys, g, 2 * i), row(layer.keys, g, 2 * i) + d, keys.data() + (g * cap + i) * d);
+        std::copy(row(layer.values, g, 2 * i), row(layer.values, g, 2 * i) + d, values.data() + (g * cap + i) * d);
+        positions[std::size_t(g * cap + i)] = 2 * i;
+        bias[std::size_t(g * cap + i)] = 0.0f;
+      }
+  };
+  auto flush = [&] {
+    if (!cold) return;
+    evict_from_caches(keys.data(), keys.size() * sizeof(float));
+    evict_from_caches(values.data(), values.size() * sizeof(float));
+    evict_from_caches(bias.data(), bias.size() * sizeof(float));
+  };
+  double best_fixed = 1e30, best_growing = 1e30, compress_s = 0;
+  Index compressions = 0;
+  for (auto _ : state) {
+    fill();
+    double fixed = 0;
+    for (Index step = 0; step < steps; ++step) {  // fixed: the new token replaces the oldest slot
+      flush();
+      const double t0 = thread_seconds();
+      append(step % budget, step);
+      query(step);
+      decode_attention<float>(q, kall.as_const().token_range(0, budget), vall.as_const().token_range(0, budget),
+                              BiasView<float>{bias.data(), H, budget, cap}, AttentionArguments{}, out);
+      benchmark::DoNotOptimize(out.data());
+      fixed += thread_seconds() - t0;
+    }
+    best_fixed = std::min(best_fixed, fixed);
+
+    fill();
+    DecodingCompressor<Preset> compressor(Preset{}, args);
+    LayerResult<float> result;
+    Workspace<float> ws;
+    Index n = budget;
+    double in_compress = 0, growing = 0;
+    Index count = 0;
+    for (Index step = 0; step < steps; ++step) {
+      flush();
+      const double t0 = thread_seconds();
+      append(n, step);
+      for (Index g = 0; g < H; ++g) {
+        positions[std::size_t(g * cap + n)] = 2 * budget + step;
+        bias[std::size_t(g * cap + n)] = 0.0f;
+      }
+      ++n;
+      query(step);
+      for (Index h = 0; h < Hq; ++h) {  // the doubled ring: rows step % W and step % W + W
+        float* r = ring.data() + h * 2 * W * d;
+        std::copy(q.row(h).data(), q.row(h).data() + d, r + (step % W) * d);
+        std::copy(q.row(h).data(), q.row(h).data() + d, r + (step % W + W) * d);
+      }
+      decode_attention<float>(q, kall.as_const().token_range(0, n), vall.as_const().token_range(0, n),
+                              BiasView<float>{bias.data(), H, n, cap}, AttentionArguments{}, out);
+      benchmark::DoNotOptimize(out.data());
+      const Index w = std::min(step + 1, W);
+      LayerView<float> cache{kall.as_const().token_range(0, n), vall.as_const().token_range(0, n),
+                             {ring.data() + ((step + 1) % W + W - w) * d, Hq, w, d, 2 * W * d, d}};
+      cache.positions = {positions.data(), H, n, cap};
+      cache.bias = {bias.data(), H, n, cap};
+      const double c0 = thread_seconds();
+      if (compressor.step(cache, result, ws)) {
+        compact_into(result, kall, vall);
+        compact_bias_into(result, bias.data(), cap, cap);
+        compact_positions_into(result, positions.data(), cap, cap);
+        n = result.max_size();
+        in_compress += thread_seconds() - c0;
+        ++count;
+      }
+      growing += thread_seconds() - t0;
+    }
+    best_growing = std::min(best_growing, growing);
+    compress_s = in_compress;
+    compressions = count;
+    state.SetIterationTime(growing);
+  }
+  state.counters["x_fixed"] = best_growing / best_fixed;
+  state.counters["fixed_ms"] = best_fixed * 1e3;
+  state.counters["compress_ms"] = compressions > 0 ? compress_s / double(compressions) * 1e3 : 0.0;
+  state.counters["compressions"] = double(compressions);
+}
+
 }  // namespace
 
+// budget 2048 (decoding 4096 tokens after a 4096-token prompt, compressed every 256), warm and cold;
+// budget 256 for the smoke run.
+void decode_growing_sizes(benchmark::internal::Benchmark* b) {
+  b->Args({256, 0})->Args({2048, 0})->Args({2048, 1})->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(2);
+}
+BENCHMARK_TEMPLATE(BM_DecodeGrowing, SnapKV)->Apply(decode_growing_sizes);
+BENCHMARK_TEMPLATE(BM_DecodeGrowing, SelKV)->Apply(decode_growing_sizes);
+BENCHMARK_TEMPLATE(BM_DecodeGrowing, SnapKVGRKV)->Apply(decode_growing_sizes);
 BENCHMARK(BM_StreamFma)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Decode, float)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Decode, Eigen::half)->Apply(kvc::bench::layer_sizes);

@@ -50,10 +50,11 @@ python: python-deps
 
 # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, -O0, assertions on, built with clang
 # (installed with its sanitizer runtime when missing) beside the libFuzzer targets; `make fuzz-ci` runs
-# those for 20 s each from the same build. Examples, benchmarks and compile-only checks are built once,
+# those for FUZZ_CI_SECONDS (10) each from the same build. Examples, benchmarks and compile-only checks are built once,
 # by `make test`.
 SANITIZE_BUILD ?= $(BUILD)-sanitize
 FUZZ_JOBS      ?= 2
+FUZZ_CI_SECONDS ?= 10
 FUZZ_TARGETS   ?= npy model tokenizer layer
 FUZZ_PACKAGES  := clang libclang-rt-14-dev
 
@@ -74,7 +75,7 @@ test-sanitize: sanitize-build
 	cd $(SANITIZE_BUILD) && ctest --output-on-failure -j $(JOBS)
 
 fuzz-ci: sanitize-build
-	fuzz/run.sh $(SANITIZE_BUILD) 20 $(FUZZ_JOBS) $(FUZZ_TARGETS)
+	fuzz/run.sh $(SANITIZE_BUILD) $(FUZZ_CI_SECONDS) $(FUZZ_JOBS) $(FUZZ_TARGETS)
 
 # libFuzzer targets alone (fuzz/), with debug information, in $(FUZZ_BUILD). `make fuzz` builds them and
 # runs each for FUZZ_SECONDS, FUZZ_JOBS at a time; any finding fails.

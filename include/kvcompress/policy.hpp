@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -104,11 +103,11 @@ class ScoreContext {
   /// (G·W, n) causal window probabilities of this head's query group, row r = local_head·W + i;
   /// computed on first use (one G·W × d × n product, O(G·W·n) memory).
   const RowMatrix<Real>& probabilities() const {
-    if (!probs_) {
-      probs_.emplace();
-      window_probabilities<Real>(layer_, head_, attention_, *probs_);
+    if (!has_probs_) {
+      window_probabilities<Real>(layer_, head_, attention_, probs_);
+      has_probs_ = true;
     }
-    return *probs_;
+    return probs_;
   }
 
  protected:
@@ -117,7 +116,10 @@ class ScoreContext {
   const AttentionArguments& attention_;
   const Vector<Real>& mass_;
   const RopeArguments* rope_;
-  mutable std::optional<RowMatrix<Real>> probs_;
+  // A matrix and a flag rather than std::optional: GCC 12 warns (maybe-uninitialized) on an optional
+  // Eigen matrix's destructor.
+  mutable RowMatrix<Real> probs_;
+  mutable bool has_probs_ = false;
 };
 
 /// Everything a per-head policy (router, merger, compensator) may read about KV head `head`: the
@@ -157,14 +159,14 @@ class HeadContext : public ScoreContext<T> {
   /// (G·W, n) matrix).
   const RowMatrix<Real>& window_outputs() const {
     if (given_outputs_) return *given_outputs_;
-    if (!outputs_) {
-      outputs_.emplace();
-      if (this->probs_)
-        detail::probabilities_times_values(this->layer_, this->head_, *this->probs_, *outputs_);
+    if (!has_outputs_) {
+      if (this->has_probs_)
+        detail::probabilities_times_values(this->layer_, this->head_, this->probs_, outputs_);
       else
-        kvc::window_outputs<Real>(this->layer_, this->head_, this->attention_, *outputs_);
+        kvc::window_outputs<Real>(this->layer_, this->head_, this->attention_, outputs_);
+      has_outputs_ = true;
     }
-    return *outputs_;
+    return outputs_;
   }
 
  private:
@@ -173,7 +175,8 @@ class HeadContext : public ScoreContext<T> {
   const std::vector<Index>& evicted_;
   const RowMatrix<Real>* given_outputs_ = nullptr;
   bool streaming_stores_ = false;
-  mutable std::optional<RowMatrix<Real>> outputs_;
+  mutable RowMatrix<Real> outputs_;
+  mutable bool has_outputs_ = false;
 };
 
 namespace detail {

@@ -8,13 +8,14 @@ avg_pool1d with kernel 5, mean over the group, the window itself kept (its score
 maximum), top-k, gather of the kept keys and values. kvcompress's SnapKV makes the same selection
 (sinks 0, recent 32 = W, pool 5; its tie-breaking and the order of the kept entries differ). Both
 sides produce contiguous compressed keys and values; the kvcompress time includes making those numpy
-arrays.
+arrays. "its product" is torch's Q·Kᵀ over the repeated keys alone, the one step both sides share.
 
     PYTHONPATH=build/python python3 python/bench_vs_torch.py            # Llama-3.1-8B layer, n = 32768
     PYTHONPATH=build/python python3 python/bench_vs_torch.py --n 4096 --repeats 3
 """
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -44,6 +45,45 @@ def snapkv_torch(torch, keys, values, queries, ratio, kernel=5):
     positions = scores.topk(kept, dim=-1).indices
     index = positions.unsqueeze(-1).expand(-1, -1, -1, d)
     return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous(), positions
+
+
+def blas_in_use():
+    """The BLAS library this process loaded (torch's), and OpenBLAS's kernel choice when it is OpenBLAS:
+    the comparison depends on both (Debian's reference BLAS is several times slower; an OpenBLAS that
+    does not know the CPU falls back to slower kernels)."""
+    import ctypes
+    import os
+    paths = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1] if len(line.split()) >= 6 else ""
+            if "blas" in os.path.basename(path):
+                paths.add(os.path.realpath(path))
+    if not paths:
+        return "no BLAS library loaded"
+    names = []
+    for path in sorted(paths):
+        name = path
+        if "openblas" in path:
+            try:
+                lib = ctypes.CDLL(path)
+                lib.openblas_get_corename.restype = ctypes.c_char_p
+                name += f" (OpenBLAS kernels: {lib.openblas_get_corename().decode()})"
+            except (OSError, AttributeError):
+                pass
+        names.append(name)
+    return ", ".join(names)
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def snapkv_kvcompress(keys, values, queries, ratio, threads):
@@ -92,18 +132,23 @@ def main():
 
     print(f"SnapKV, Hkv {a.hkv}, Hq {a.hq}, d {a.d}, W {a.w}, n {a.n}, ratio {a.ratio}; "
           f"kvcompress {kvcompress.__version__}, torch {torch.__version__}; median of {a.repeats} calls after {a.warmup} untimed")
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical; BLAS: {blas_in_use()}")
     print(f"kept positions in common (head 0): {agree:.3f}")
-    print(f"{'threads':>7}  {'torch (ms)':>10}  {'kvcompress (ms)':>15}  {'speed-up':>8}")
+    print(f"{'threads':>7}  {'torch (ms)':>10}  {'its product (ms)':>16}  {'kvcompress (ms)':>15}  {'speed-up':>8}")
     for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
         with torch.no_grad():
             for _ in range(a.warmup):
                 snapkv_torch(torch, tk, tv, tq, a.ratio)
             t_torch = median_seconds(lambda: snapkv_torch(torch, tk, tv, tq, a.ratio), a.repeats)
+            key_states = tk[:, :, None].expand(1, a.hkv, a.hq // a.hkv, a.n, a.d).reshape(1, a.hq, a.n, a.d)
+            t_product = median_seconds(lambda: torch.matmul(tq, key_states.transpose(2, 3)), a.repeats)
+            del key_states
         for _ in range(a.warmup):
             snapkv_kvcompress(keys, values, queries, a.ratio, threads)
         t_kvc = median_seconds(lambda: snapkv_kvcompress(keys, values, queries, a.ratio, threads), a.repeats)
-        print(f"{threads:>7}  {1e3 * t_torch:>10.1f}  {1e3 * t_kvc:>15.1f}  {t_torch / t_kvc:>7.1f}x")
+        print(f"{threads:>7}  {1e3 * t_torch:>10.1f}  {1e3 * t_product:>16.1f}  {1e3 * t_kvc:>15.1f}  "
+              f"{t_torch / t_kvc:>7.1f}x")
     return 0
 
 

@@ -473,3 +473,11 @@ def test_documentation_python_examples_run(tmp_path, page):
         if "import torch" in code:
             pytest.importorskip("torch")
         subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=os.environ.copy(), timeout=120)
+
+
+def test_documented_method_list_is_the_modules():
+    with open(os.path.join(SOURCE, "docs/python.md"), encoding="utf-8") as f:
+        text = f.read()
+    found = re.search(r"`kvcompress\.methods` lists them \(`([^`]*)`", text, re.S)
+    assert found, "docs/python.md lists the methods as `kvcompress.methods` lists them (`...`"
+    assert found.group(1).split() == list(kc.methods)

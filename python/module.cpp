@@ -409,8 +409,8 @@ py::tuple compress_timed(py::handle keys, py::handle values, py::handle queries,
 }
 
 /// A method with its options, its result and its workspace kept from call to call: with repeating
-/// shapes and one thread, the library call allocates nothing after the first (run(layer, budget, out,
-/// ws); GRKV's merges excepted, as in C++) and the result's arrays are refilled in place.
+/// shapes and one thread, the library call allocates no more after the first than the C++ preset's
+/// reused run(layer, budget, out, ws) does, and the result's arrays are refilled in place.
 class Compressor {
  public:
   Compressor(const std::string& method, py::handle threads, const py::kwargs& kwargs)

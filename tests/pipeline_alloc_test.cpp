@@ -196,3 +196,11 @@ TEST_CASE("policy scratch is not part of the value", "[pipeline][alloc]") {
   ws.selection.scratch->proposed.shrink_to_fit();
   CHECK(ws.bytes() < held);
 }
+
+TEST_CASE("a reused run of the merging presets allocates nothing (float cache)", "[pipeline][alloc]") {
+  const TypedLayer<float> layer(1024);
+  const auto view = layer.view();
+  CHECK(allocations_of_reused_call<kvc::SnapKVNearestKey>(view, kvc::Budget::ratio(0.25)) == 0);
+  CHECK(allocations_of_reused_call<kvc::SnapKVCAM>(view, kvc::Budget::ratio(0.25)) == 0);
+  CHECK(allocations_of_reused_call<kvc::SnapKVCAM>(view, kvc::Budget::ratio(0.1)) == 0);
+}

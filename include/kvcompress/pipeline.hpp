@@ -171,7 +171,7 @@ Status check_routing_pair(const Router& router, const Merger& merger) {
 /// keep their working memory in those (Selection::scratch, Routing::scratch, MergeOutput::scratch).
 /// An engine that compresses layer after layer keeps one Workspace (per thread calling run) and
 /// passes it with a reused LayerResult: with repeating shapes and threads = 1, a reused call of
-/// every preset but the GRKV ones then allocates nothing with float arithmetic
+/// the presets tests/pipeline_alloc_test.cpp lists then allocates nothing with float arithmetic
 /// (tests/pipeline_alloc_test.cpp; double arithmetic: Eigen's product allocates its blocking buffer
 /// once per head; threads > 1: the threads). RidgeMerge still allocates its per-head matrices in
 /// each call (bench: BM_PipelineReuse's allocs_per_call).

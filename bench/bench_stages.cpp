@@ -205,7 +205,8 @@ void BM_WindowProbabilities(benchmark::State& state) {
   set_layer_counters(state, n, per);
 }
 
-/// Scorers over all KV heads (ValueWeighted reads V once; KeyNorm reads K once).
+/// Scorers over all KV heads (ValueWeighted reads V once; KeyNorm reads K once; LastQueryAttention
+/// computes the last window row's logits over every key).
 template <class Scorer>
 void BM_Score(benchmark::State& state) {
   const Index n = state.range(0);
@@ -439,6 +440,8 @@ BENCHMARK(BM_ProductStreamOverlap)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_WindowProbabilities)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::ValueWeighted)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::KeyNorm)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Score, kvc::KeyDiversity)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_Score, kvc::LastQueryAttention)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::LocalLeverage)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::LagRelative)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::ExpectedAttention)->Apply(kvc::bench::layer_sizes);

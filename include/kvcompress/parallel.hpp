@@ -17,10 +17,38 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace kvc {
+
+namespace detail {
+
+/// parallel_for's threaded part, compiled once rather than once per work type: `body(ctx, i, worker)`
+/// runs f(i, worker) for the f behind ctx. workers >= 2, count >= workers.
+inline void parallel_run(Index count, Index workers, void* ctx, void (*body)(void*, Index, Index)) {
+  std::atomic<Index> next{0};
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+  const auto work = [&](Index worker) {
+    try {
+      for (Index i = next.fetch_add(1); i < count; i = next.fetch_add(1)) body(ctx, i, worker);
+    } catch (...) {
+      errors[static_cast<std::size_t>(worker)] = std::current_exception();
+      next.store(count);  // stop handing out work
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<std::size_t>(workers - 1));
+  for (Index w = 1; w < workers; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace detail
 
 /// Runs f(i, worker) for every i in [0, count). With threads <= 1 (the default everywhere) it is a plain
 /// loop on the calling thread, worker = 0. Otherwise min(threads, count) workers (the caller is worker 0,
@@ -35,23 +63,9 @@ void parallel_for(Index count, Index threads, F&& f) {
     for (Index i = 0; i < count; ++i) f(i, Index{0});
     return;
   }
-  std::atomic<Index> next{0};
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
-  const auto work = [&](Index worker) {
-    try {
-      for (Index i = next.fetch_add(1); i < count; i = next.fetch_add(1)) f(i, worker);
-    } catch (...) {
-      errors[static_cast<std::size_t>(worker)] = std::current_exception();
-      next.store(count);  // stop handing out work
-    }
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<std::size_t>(workers - 1));
-  for (Index w = 1; w < workers; ++w) pool.emplace_back(work, w);
-  work(0);
-  for (auto& t : pool) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  using Fn = std::remove_reference_t<F>;
+  detail::parallel_run(count, workers, const_cast<void*>(static_cast<const void*>(std::addressof(f))),
+                       [](void* ctx, Index i, Index worker) { (*static_cast<Fn*>(ctx))(i, worker); });
 }
 
 /// Number of workers parallel_for will use for `count` items and a requested thread count.

@@ -286,7 +286,7 @@ void window_probabilities(const LayerView<T>& layer, Index g, const AttentionArg
 /// p (n) <- the causal probabilities of window row r = local_head·W + i of KV head g's query group
 /// (SPEC §2): softmax_j(softcap(scale·<q, k_j>) + bias_j) over j <= n − W + i, exactly 0 beyond
 /// (bias_j: the view's stored bias, 0 when absent). One pass of
-/// dots over the visible keys (O(n·d)), no other memory. Returns false when a logit is NaN or ±Inf
+/// dots over the visible keys (O(n·d)), SIMD in float arithmetic; O(d) memory besides p. Returns false when a logit is NaN or ±Inf
 /// (p is then meaningless).
 template <class Real, class T>
 bool window_row_probabilities(const LayerView<T>& layer, Index g, Index r, const AttentionArguments& args,
@@ -300,11 +300,18 @@ bool window_row_probabilities(const LayerView<T>& layer, Index g, Index r, const
   const compute_t<T>* bias = nullptr;
   const Index bias_len = detail::head_bias(layer, g, bias);
   p.setZero(n);
+  constexpr bool simd_dot = std::is_same_v<Real, float> && !std::is_same_v<T, double>;
+  Vector<float> qf;  // (d) the query in float, for the SIMD dot
+  if constexpr (simd_dot) qf = Eigen::Map<const Vector<T>>(q, d).template cast<float>();
   Real mx = -std::numeric_limits<Real>::infinity();
   for (Index j = 0; j < visible; ++j) {
     const T* k = layer.keys.row(g, j);
     Real s = 0;
-    for (Index c = 0; c < d; ++c) s += to_real<Real>(q[c]) * to_real<Real>(k[c]);
+    if constexpr (simd_dot) {
+      s = simd::dot<simd::default_arch>(qf.data(), k, d);
+    } else {
+      for (Index c = 0; c < d; ++c) s += to_real<Real>(q[c]) * to_real<Real>(k[c]);
+    }
     s *= scale;
     if (cap > 0) s = cap * std::tanh(s / cap);
     if (!std::isfinite(s)) return false;

@@ -259,6 +259,38 @@ bool head_finite_scan(const TensorView<const T>& v, Index h) {
   }
 }
 
+/// Row reductions in double arithmetic for the scorers that guarantee finite scores for any finite
+/// cache: eight independent partial sums, which compilers vectorise, added pairwise at the end.
+/// Σ x_c² over d elements of x; a float, half or bfloat16 row cannot overflow it.
+template <class T>
+double squared_norm_double(const T* x, Index d) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  Index c = 0;
+  for (; c + 8 <= d; c += 8)
+    for (int k = 0; k < 8; ++k) {
+      const double v = to_real<double>(x[c + k]);
+      acc[k] += v * v;
+    }
+  double s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; c < d; ++c) {
+    const double v = to_real<double>(x[c]);
+    s += v * v;
+  }
+  return s;
+}
+
+/// Σ x_c·y_c over d elements, y in double.
+template <class T>
+double dot_double(const T* x, const double* y, Index d) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  Index c = 0;
+  for (; c + 8 <= d; c += 8)
+    for (int k = 0; k < 8; ++k) acc[k] += to_real<double>(x[c + k]) * y[c + k];
+  double s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; c < d; ++c) s += to_real<double>(x[c]) * y[c];
+  return s;
+}
+
 /// Euclidean norm of one row, in Real (SIMD for float arithmetic, a serial loop for double).
 template <class Real, class T>
 Real row_norm(const T* x, Index d) {

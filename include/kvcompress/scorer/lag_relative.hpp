@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace kvc {
@@ -28,8 +29,9 @@ namespace kvc {
 /// t = s + (q−1)·L), above every partition score (< 1). A cache too short for two partitions
 /// (n < s + 2L) scores 1 for the sinks and c_g[j] = (j − s)/(n − s) after them, as kvpress, which
 /// keeps the newest tokens too. Decisions where kvpress divides by zero: a channel constant over
-/// the reference partition gives x̂ = 0; d = 1 gives σ = 0. Computed in double. Needs no window
-/// attention. One pass over K_g and V_g: O(n·d), O(L·d) memory.
+/// the reference partition gives x̂ = 0; d = 1 gives σ = 0. σ is computed in float SIMD arithmetic for
+/// float, half and bfloat16 caches, in double for double caches and wherever float would overflow, so
+/// any finite cache gives finite scores. Needs no window attention. One pass over K_g and V_g: O(n·d), O(L·d) memory.
 struct LagRelative {
   struct Arguments {
     Index sinks = 4;   ///< first tokens scored 1 (kvpress n_sink)
@@ -47,22 +49,23 @@ struct LagRelative {
     return Status::ok();
   }
 
-  /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
-  /// rows [lo + L, lo + 2L). `row(j)` gives row j (d elements); shift, scale and x are scratch (d).
+  /// s (L) <- σ_j of the rows [lo, lo + L) min-max normalised by the rows [lo + L, lo + 2L), in double.
+  /// `row(j)` gives row j (d elements); shift, scale and x are scratch (d).
   template <class Row>
-  static void partition_softmax(Row row, Index lo, Index L, Index d, std::vector<double>& shift,
-                                std::vector<double>& scale, std::vector<double>& x, std::vector<double>& s) {
+  static void spreads_double(Row row, Index lo, Index L, Index d, std::vector<double>& shift,
+                             std::vector<double>& scale, std::vector<double>& x, std::vector<double>& s) {
     shift.resize(static_cast<std::size_t>(d));
     scale.resize(static_cast<std::size_t>(d));
     x.resize(static_cast<std::size_t>(d));
     for (Index c = 0; c < d; ++c) shift[static_cast<std::size_t>(c)] = scale[static_cast<std::size_t>(c)] = to_real<double>(row(lo + L)[c]);
+    double* low = shift.data();
+    double* high = scale.data();
     for (Index i = lo + L + 1; i < lo + 2 * L; ++i) {  // shift <- min, scale <- max over the reference rows
       const auto* r = row(i);
       for (Index c = 0; c < d; ++c) {
         const double v = to_real<double>(r[c]);
-        const std::size_t k = static_cast<std::size_t>(c);
-        shift[k] = std::min(shift[k], v);
-        scale[k] = std::max(scale[k], v);
+        low[c] = v < low[c] ? v : low[c];  // std::min, std::max
+        high[c] = high[c] < v ? v : high[c];
       }
     }
     for (Index c = 0; c < d; ++c) {  // scale <- 1 / (max − min), 0 for a constant channel (x̂ = 0)
@@ -70,16 +73,23 @@ struct LagRelative {
       const double range = scale[k] - shift[k];
       scale[k] = range == 0.0 ? 0.0 : 1.0 / range;
     }
-    double top = -std::numeric_limits<double>::infinity();
+    double* v = x.data();
     for (Index j = 0; j < L; ++j) {
       const auto* r = row(lo + j);
-      for (Index c = 0; c < d; ++c) x[static_cast<std::size_t>(c)] = to_real<double>(r[c]);
-      double sum = 0, sum2 = 0;
-      for (Index c = 0; c < d; ++c) {
-        const std::size_t k = static_cast<std::size_t>(c);
-        const double v = (x[k] - shift[k]) * scale[k];
-        sum += v;
-        sum2 += v * v;
+      for (Index c = 0; c < d; ++c) v[c] = (to_real<double>(r[c]) - shift[static_cast<std::size_t>(c)]) * scale[static_cast<std::size_t>(c)];
+      // Σ v and Σ v² in eight partial sums each (vectorised), added pairwise.
+      double a1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, a2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      Index c = 0;
+      for (; c + 8 <= d; c += 8)
+        for (int k = 0; k < 8; ++k) {
+          a1[k] += v[c + k];
+          a2[k] += v[c + k] * v[c + k];
+        }
+      double sum = ((a1[0] + a1[4]) + (a1[1] + a1[5])) + ((a1[2] + a1[6]) + (a1[3] + a1[7]));
+      double sum2 = ((a2[0] + a2[4]) + (a2[1] + a2[5])) + ((a2[2] + a2[6]) + (a2[3] + a2[7]));
+      for (; c < d; ++c) {
+        sum += v[c];
+        sum2 += v[c] * v[c];
       }
       double sigma = 0;
       if (d > 1) {
@@ -87,8 +97,100 @@ struct LagRelative {
         sigma = std::sqrt(std::max(0.0, (sum2 - sum * mean) / static_cast<double>(d - 1)));
       }
       s[static_cast<std::size_t>(j)] = sigma;
-      top = std::max(top, sigma);
     }
+  }
+
+  /// spreads_double's σ_j in float SIMD arithmetic, for float, half and bfloat16 rows: the reference
+  /// rows' per-channel min and max (exact), 1/(max − min) rounded to float, then per row the mean and
+  /// the centred sum of squares of x̂ (two passes over the row, in L1). Returns false, leaving the
+  /// partition to spreads_double, when a reciprocal range is not a normal float or a σ_j is not finite
+  /// (overflow, or a NaN/Inf entry). low, inv and v are scratch (d).
+  template <class Row>
+  static bool spreads_float(Row row, Index lo, Index L, Index d, std::vector<float>& low, std::vector<float>& inv,
+                            std::vector<float>& v, std::vector<double>& s) {
+    using A = simd::default_arch;
+    using B = simd::fbatch<A>;
+    constexpr Index W = B::size;
+    low.resize(static_cast<std::size_t>(d));
+    inv.resize(static_cast<std::size_t>(d));  // the max, then 1/(max − min)
+    v.resize(static_cast<std::size_t>(d));
+    float* mn = low.data();
+    float* mx = inv.data();
+    float* x = v.data();
+    for (Index c = 0; c < d; ++c) mn[c] = mx[c] = to_real<float>(row(lo + L)[c]);
+    for (Index i = lo + L + 1; i < lo + 2 * L; ++i) {
+      const auto* r = row(i);
+      Index c = 0;
+      for (; c + W <= d; c += W) {
+        const B e = simd::load<A>(r + c);
+        xsimd::min(B::load_unaligned(mn + c), e).store_unaligned(mn + c);
+        xsimd::max(B::load_unaligned(mx + c), e).store_unaligned(mx + c);
+      }
+      for (; c < d; ++c) {
+        const float e = to_real<float>(r[c]);
+        mn[c] = std::min(mn[c], e);
+        mx[c] = std::max(mx[c], e);
+      }
+    }
+    for (Index c = 0; c < d; ++c) {
+      const double range = static_cast<double>(mx[c]) - static_cast<double>(mn[c]);
+      if (range == 0.0) {
+        mx[c] = 0.0f;  // a constant channel: x̂ = 0
+        continue;
+      }
+      const double r = 1.0 / range;
+      if (!(r >= static_cast<double>(std::numeric_limits<float>::min()) &&
+            r <= static_cast<double>(std::numeric_limits<float>::max())))
+        return false;  // NaN, or a range float cannot invert as a normal number
+      mx[c] = static_cast<float>(r);
+    }
+    const float* sc = mx;
+    for (Index j = 0; j < L; ++j) {
+      const auto* r = row(lo + j);
+      B acc(0.0f);
+      float tail = 0.0f;
+      Index c = 0;
+      for (; c + W <= d; c += W) {
+        const B e = (simd::load<A>(r + c) - B::load_unaligned(mn + c)) * B::load_unaligned(sc + c);
+        e.store_unaligned(x + c);
+        acc += e;
+      }
+      for (; c < d; ++c) tail += (x[c] = (to_real<float>(r[c]) - mn[c]) * sc[c]);
+      double sigma = 0;
+      if (d > 1) {
+        const float mean = (simd::reduce_add<A>(acc) + tail) / static_cast<float>(d);
+        const B m(mean);
+        B sq(0.0f);
+        float sq_tail = 0.0f;
+        for (c = 0; c + W <= d; c += W) {
+          const B e = B::load_unaligned(x + c) - m;
+          sq = simd::fma(e, e, sq);
+        }
+        for (; c < d; ++c) sq_tail += (x[c] - mean) * (x[c] - mean);
+        sigma = std::sqrt(static_cast<double>(simd::reduce_add<A>(sq) + sq_tail) / static_cast<double>(d - 1));
+      }
+      if (!std::isfinite(sigma)) return false;
+      s[static_cast<std::size_t>(j)] = sigma;
+    }
+    return true;
+  }
+
+  /// Scratch of partition_softmax.
+  struct Scratch {
+    std::vector<double> shift, scale, x;
+    std::vector<float> low, inv, v;
+  };
+
+  /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
+  /// rows [lo + L, lo + 2L) (float SIMD arithmetic for float, half and bfloat16 rows, else double).
+  template <class Row>
+  static void partition_softmax(Row row, Index lo, Index L, Index d, Scratch& w, std::vector<double>& s) {
+    using E = std::remove_cv_t<std::remove_pointer_t<decltype(row(lo))>>;
+    bool done = false;
+    if constexpr (!std::is_same_v<E, double>) done = spreads_float(row, lo, L, d, w.low, w.inv, w.v, s);
+    if (!done) spreads_double(row, lo, L, d, w.shift, w.scale, w.x, s);
+    double top = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < L; ++j) top = std::max(top, s[static_cast<std::size_t>(j)]);
     double z = 0;
     for (Index j = 0; j < L; ++j) z += (s[static_cast<std::size_t>(j)] = std::exp(s[static_cast<std::size_t>(j)] - top));
     for (Index j = 0; j < L; ++j) s[static_cast<std::size_t>(j)] /= z;
@@ -107,12 +209,13 @@ struct LagRelative {
     const Index q = (n - S) / L, t = S + (q - 1) * L;  // the tail T = [t, n)
     for (Index j = 0; j < S; ++j) out[j] = Real(2);
     for (Index j = t; j < n; ++j) out[j] = static_cast<Real>(1.0 + static_cast<double>(j - t) / static_cast<double>(n - t));
-    std::vector<double> shift, scale, x, key_s(static_cast<std::size_t>(L)), value_s(static_cast<std::size_t>(L));
+    Scratch scratch;
+    std::vector<double> key_s(static_cast<std::size_t>(L)), value_s(static_cast<std::size_t>(L));
     std::vector<Index> order(static_cast<std::size_t>(L));
     for (Index p = 0; p + 1 < q; ++p) {
       const Index lo = S + p * L;
-      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, shift, scale, x, key_s);
-      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, shift, scale, x, value_s);
+      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, scratch, key_s);
+      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, scratch, value_s);
       for (Index j = 0; j < L; ++j) key_s[static_cast<std::size_t>(j)] = (key_s[static_cast<std::size_t>(j)] + value_s[static_cast<std::size_t>(j)]) / 2;
       if (!args.rank) {
         for (Index j = 0; j < L; ++j) out[lo + j] = static_cast<Real>(key_s[static_cast<std::size_t>(j)]);

@@ -35,16 +35,6 @@ struct LocalLeverage {
     return Status::ok();
   }
 
-  template <class E>
-  static double squared_norm(const E* x, Index d) {
-    double s = 0;
-    for (Index c = 0; c < d; ++c) {
-      const double v = to_real<double>(x[c]);
-      s += v * v;
-    }
-    return s;
-  }
-
   template <class T>
   void score(const ScoreContext<T>& ctx, Vector<compute_t<T>>& out) const {
     using Real = compute_t<T>;
@@ -56,8 +46,8 @@ struct LocalLeverage {
       const Index hi = std::min(n, lo + w);
       double key_sum = 0, value_sum = 0;
       for (Index j = lo; j < hi; ++j) {
-        p[static_cast<std::size_t>(j)] = squared_norm(ctx.key(j), d);
-        nu[static_cast<std::size_t>(j - lo)] = squared_norm(ctx.value(j), d);
+        p[static_cast<std::size_t>(j)] = detail::squared_norm_double(ctx.key(j), d);
+        nu[static_cast<std::size_t>(j - lo)] = detail::squared_norm_double(ctx.value(j), d);
         key_sum += p[static_cast<std::size_t>(j)];
         value_sum += nu[static_cast<std::size_t>(j - lo)];
       }

@@ -9,7 +9,7 @@ PACKAGES  := cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev
 PYTHON_PACKAGES := pybind11-dev python3-dev python3-numpy python3-pytest
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: deps python-deps configure build demo test python sanitize-deps sanitize-build test-sanitize bench clean \
+.PHONY: deps python-deps configure build demo test python sanitize-deps sanitize-build test-sanitize bench bench-smoke clean \
         bench-speed-table \
         fuzz-build fuzz fuzz-ci
 
@@ -28,7 +28,7 @@ python-deps: deps
 	fi
 
 configure: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
@@ -39,9 +39,16 @@ demo: deps
 	$(BUILD)/examples/kvc_demo
 
 test: python-deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The benchmark suite, built into the same folder with the same flags, and its smoke run (every
+# benchmark at n = 4096, each once): CI runs it after `make test`.
+bench-smoke: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)
+	cmake --build $(BUILD) -j $(JOBS) --target kvc_bench
+	cd $(BUILD) && ctest --output-on-failure -L bench
 
 # The Python module into $(BUILD)/python/: PYTHONPATH=$(BUILD)/python python3 -c "import kvcompress".
 python: python-deps

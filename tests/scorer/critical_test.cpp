@@ -182,7 +182,7 @@ TEST_CASE("CriticalKV and CriticalAdaKV select as the reference does", "[scorer]
   }
 }
 
-TEST_CASE("CriticalKV without W_o or with a malformed one is an error naming output_projection",
+TEST_CASE("CriticalKV without W_o or with a malformed one is an error naming output_projection; overflow",
           "[scorer][critical][errors]") {
   using Catch::Matchers::Contains;
   auto rng = kvc::test::make_rng(514);
@@ -219,8 +219,19 @@ TEST_CASE("CriticalKV without W_o or with a malformed one is an error naming out
   wo.data[13] = std::numeric_limits<float>::infinity();
   layer.output_projection = wo.view();
   CHECK_THROWS_WITH(CriticalKV{}.run(layer, budget), Contains("output_projection[0][13] is not finite"));
-  // Options.
+  // ‖W_o v‖₁ beyond float from finite values and W_o: an overflow error, not an infinite score.
   wo.data[13] = 0.5f;
+  {
+    ref::Tensor3 big = V;
+    for (double& x : big.data) x *= 1e30;
+    std::vector<float> huge = wo.data;
+    for (float& x : huge) x *= 1e30f;
+    kvc::test::LayerBuffers<float> b(K, big, Q, Layout::head_major);
+    LayerView<float> overflowing = b.view();
+    overflowing.output_projection = {huge.data(), D, H * G * d, H * G * d};
+    CHECK_THROWS_WITH(CriticalKV{}.run(overflowing, budget), Contains("overflows"));
+  }
+  // Options.
   CriticalKV::Arguments args;
   args.scorer.first_stage = 1.5;
   CHECK_THROWS_WITH(CriticalKV(args).run(layer, budget), Contains("scorer.first_stage must be in [0, 1]"));

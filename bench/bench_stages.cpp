@@ -252,6 +252,35 @@ void BM_ScoreObserved(benchmark::State& state) {
   set_layer_counters(state, n, per);
 }
 
+/// CriticalKV's scorer over all KV heads with a random W_o [D = Hq·d][Hq·d] (Llama-3.1-8B: 4096 ×
+/// 4096, built once) and budget n/4: its n·Hq·d·D product for ‖W_o v‖₁ is D/W times the window
+/// product's n·Hq·W·d, which x_gemm compares it with.
+void BM_ScoreCritical(benchmark::State& state) {
+  const Index n = state.range(0);
+  LayerView<float> layer = layer_of(n).view();
+  const Index cols = layer.query_heads() * layer.head_dim();
+  static std::vector<float> wo;
+  if (wo.empty()) {
+    std::mt19937_64 rng(12);
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    wo.resize(static_cast<std::size_t>(cols * cols));
+    for (float& x : wo) x = normal(rng);
+  }
+  layer.output_projection = {wo.data(), cols, cols, cols};
+  const Vector<float> mass = Vector<float>::Constant(n, 1.0f / float(n));
+  Vector<float> out;
+  const AttentionArguments attention;
+  const double per = time_iterations(state, [&] {
+    for (Index g = 0; g < layer.kv_heads(); ++g) {
+      ScoreContext<float> ctx(layer, g, attention, mass);
+      ctx.set_budget(n / 4);
+      CriticalAttention{}.score(ctx, out);
+      benchmark::DoNotOptimize(out.data());
+    }
+  });
+  set_layer_counters(state, n, per);
+}
+
 /// SelKV's window mass and scores (ValueWeighted) of every KV head of the benchmark layer at n,
 /// computed once per n (default attention arguments).
 struct LayerScores {
@@ -446,6 +475,7 @@ BENCHMARK_TEMPLATE(BM_Score, kvc::LocalLeverage)->Apply(kvc::bench::layer_sizes)
 BENCHMARK_TEMPLATE(BM_Score, kvc::LagRelative)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::ExpectedAttention)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_ScoreObserved)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ScoreCritical)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::per_head)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared, true)->Apply(kvc::bench::layer_sizes);

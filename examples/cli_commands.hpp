@@ -566,6 +566,7 @@ inline int cmd_eval(Args& a, std::ostream& out) {
 
 inline int cmd_compress(Args& a, std::ostream& out) {
   const std::string kp = a.path("keys"), vp = a.path("values"), qp = a.path("queries"), dir = a.path("out");
+  const std::string wp = a.path("wo");  // optional: the layer's output projection (criticalkv)
   const std::string method = a.str("method", "selkv");
   if (kp.empty() || vp.empty() || qp.empty() || dir.empty())
     throw std::invalid_argument("compress needs --keys, --values, --queries and --out");
@@ -583,6 +584,13 @@ inline int cmd_compress(Args& a, std::ostream& out) {
   LayerView<float> layer{make_head_major<const float>(K.f.data(), K.shape[0], K.shape[1], K.shape[2]),
                          make_head_major<const float>(V.f.data(), V.shape[0], V.shape[1], V.shape[2]),
                          make_head_major<const float>(Q.f.data(), Q.shape[0], Q.shape[1], Q.shape[2])};
+  engine::NpyArray Wo;
+  if (!wp.empty()) {
+    Wo = engine::read_npy(wp);
+    if (!Wo.is_float() || Wo.shape.size() != 2)
+      throw std::invalid_argument(wp + ": wo must be a float32 or float16 array of rank 2 ([model dim][Hq·d])");
+    layer.output_projection = {Wo.f.data(), Wo.shape[0], Wo.shape[1], Wo.shape[1]};
+  }
   const LayerResult<float> r = make_method(method, opts)(layer, budget);
   // Heads may keep different numbers of entries (per-head budgets): every array has room for the
   // longest, and the rows beyond a head's length are padding (position -1, zeros elsewhere).
@@ -618,6 +626,7 @@ inline std::string usage() {
          "  eval     [--tokens F.npy | --samples 24 --seed 1 --length 512] --prefix 384 --methods a,b --ratios r1,r2\n"
          "           [--window 32] [--json | --csv] [--quiet]\n"
          "  compress --keys K.npy --values V.npy --queries Q.npy --method M (--ratio R | --budget M) --out DIR\n"
+         "           [--wo WO.npy: the layer's output projection [D][Hq*d], for criticalkv]\n"
          "common: --model FILE --tokenizer FILE (default: $KVC_MODEL_DIR, ./models, ../shared/models)\n"
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"

@@ -14,7 +14,7 @@
 namespace kvc::cli {
 
 using ComposedScorer = OneOf<Position, AttentionMass, ValueWeighted, KeyNorm, LastQueryAttention, KeyDiversity,
-                             LocalLeverage, LagRelative, ExpectedAttention, ObservedAttention>;
+                             LocalLeverage, LagRelative, ExpectedAttention, ObservedAttention, CriticalAttention>;
 using ComposedSelector = OneOf<TopK<>, TopChunks<>, KeepAll, ThresholdSelect<>>;
 using ComposedRouter = OneOf<NoRoute, BucketRouter<>>;
 using ComposedMerger = OneOf<Drop, SoftGate, MergeAll, RidgeMerge, NearestKeyMerge, CacheMerge>;
@@ -67,7 +67,8 @@ inline bool swaps_stages(const MethodOptions& o) { return o.scorer || o.merger |
 
 /// Method `method`'s preset as Composed::Arguments with the stages the options name swapped in, then
 /// the options applied to the stages that take them. Rules:
-/// - --scorer M: the scorer of method M (its defaults);
+/// - --scorer M: the scorer of method M (its defaults); criticalkv's pools its own mass and its scores
+///   are final, so it turns the selector's pooling off (an explicit --pool / --pooling still applies);
 /// - --merger: drop, merge-all, soft-gate (SelKV's), ridge (GRKV's), nearest-key (kvpress MergingPress),
 ///   cam (CaM); nearest-key routes every evicted token to its most key-similar kept token (global key
 ///   cosine), merge-all and soft-gate get SelKV's router (32-token buckets, key cosine) when the method
@@ -99,6 +100,12 @@ inline Composed::Arguments composed_arguments(const std::string& method, const M
       return ComposedScorer::Arguments{detail::as_alternative(typename Preset::scorer_type{typename Preset::Arguments{}.scorer})};
     });
     label += " --scorer " + *o.scorer;
+    if (std::holds_alternative<CriticalAttention>(c.scorer.policy))
+      std::visit(
+          [](auto& p) {
+            if constexpr (detail::has_pool<std::decay_t<decltype(p.args)>>::value) p.args.pooling = Pooling::none;
+          },
+          c.selector.policy);
   }
   if (o.merger) {
     const std::string& m = *o.merger;

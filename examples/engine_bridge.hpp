@@ -13,7 +13,7 @@
 namespace kvc::cli {
 
 /// Zero-copy view of one engine layer: keys/values [Hkv][capacity][d] (first n rows used),
-/// queries [Hq][W][d], and the entries' positions and bias when the engine gives them.
+/// queries [Hq][W][d], and the entries' positions, bias and the layer's W_o when the engine gives them.
 inline LayerView<float> view_of(const engine::LayerInput& in) {
   LayerView<float> layer;
   layer.keys = {in.keys, in.Hkv, in.n, in.d, in.head_stride, in.d};
@@ -21,6 +21,7 @@ inline LayerView<float> view_of(const engine::LayerInput& in) {
   layer.queries = {in.queries, in.Hq, in.W, in.d, in.queries_head_stride > 0 ? in.queries_head_stride : in.W * in.d, in.d};
   if (in.positions) layer.positions = {in.positions, in.Hkv, in.n, in.state_stride};
   if (in.bias) layer.bias = {in.bias, in.Hkv, in.n, in.state_stride};
+  if (in.wo) layer.output_projection = {in.wo, in.dim, in.Hq * in.d, in.Hq * in.d};
   return layer;
 }
 

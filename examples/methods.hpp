@@ -30,7 +30,8 @@ inline const std::vector<std::string>& method_names() {
                                                  "selkv-mergeall", "knorm",     "tova",   "keydiff",     "adakv-snapkv",
                                                  "adakv-selkv",    "grkv",      "grkv-selkv", "grkv-streaming",
                                                  "cur",            "lagkv",     "chunkkv",     "threshold",
-                                                 "expected-attention", "observed-attention"};
+                                                 "expected-attention", "observed-attention", "criticalkv",
+                                                 "critical-adakv"};
   return names;
 }
 
@@ -176,6 +177,8 @@ auto visit_method(const std::string& name, F&& f) {
   if (name == "threshold") return f(PresetTag<Threshold>{});
   if (name == "expected-attention") return f(PresetTag<ExpectedAttentionEvict>{});
   if (name == "observed-attention") return f(PresetTag<H2O>{});
+  if (name == "criticalkv") return f(PresetTag<CriticalKV>{});
+  if (name == "critical-adakv") return f(PresetTag<CriticalAdaKV>{});
   if (name == "adakv-snapkv") return f(PresetTag<AdaKVSnapKV>{});
   if (name == "adakv-selkv") return f(PresetTag<AdaKVSelKV>{});
   if (name == "grkv") return f(PresetTag<SnapKVGRKV>{});

@@ -14,7 +14,7 @@
   X(kvc::FullCache) X(kvc::StreamingLLM) X(kvc::SnapKV) X(kvc::SelKVEvict) X(kvc::SelKV) X(kvc::SelKVMergeAll) \
   X(kvc::KNorm) X(kvc::TOVA) X(kvc::KeyDiff) X(kvc::AdaKVSnapKV) X(kvc::AdaKVSelKV) X(kvc::SnapKVGRKV)          \
   X(kvc::SelKVEvictGRKV) X(kvc::StreamingLLMGRKV) X(kvc::CUR) X(kvc::LagKV) X(kvc::ChunkKV) X(kvc::Threshold)      \
-  X(kvc::ExpectedAttentionEvict) X(kvc::H2O) X(kvc::cli::Composed)
+  X(kvc::ExpectedAttentionEvict) X(kvc::H2O) X(kvc::CriticalKV) X(kvc::CriticalAdaKV) X(kvc::cli::Composed)
 
 #ifndef KVC_COMPILE_PRESETS
 #define KVC_CLI_EXTERN_FLOAT(Preset) KVC_EXTERN_PIPELINE(float, Preset)

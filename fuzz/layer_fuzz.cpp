@@ -391,6 +391,14 @@ void run_all(FuzzedDataProvider& p) {
   // H2O with a query for every entry (read last, so that the inputs above are read as before).
   const Tensor<T> all_queries = make_tensor<T>(p, Hkv * G, n, d, max_abs);
   run_preset<kvc::H2O>("H2O (every query)", kvc::LayerView<T>{K.view, V.view, all_queries.view}, budget, p);
+  // CriticalKV with a float W_o [D][Hq·d] (its rows strided as a tensor's tokens), then Composed with it.
+  const Index D = p.ConsumeIntegralInRange<Index>(1, 9);
+  const Tensor<float> wo = make_tensor<float>(p, 1, D, Hkv * G * d, 3.0e38);
+  kvc::LayerView<T> projected = layer;
+  projected.output_projection = {wo.view.data, D, Hkv * G * d, wo.view.token_stride};
+  run_preset<kvc::CriticalKV>("CriticalKV", projected, budget, p);
+  run_preset<kvc::CriticalAdaKV>("CriticalAdaKV", projected, budget, p);
+  run_preset<kvc::cli::Composed>("Composed (W_o)", projected, budget, p);
 }
 
 }  // namespace

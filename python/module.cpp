@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -148,6 +149,21 @@ std::string as_text(const std::string& key, py::handle v) {
 bool as_flag(const std::string& key, py::handle v) {
   if (!PyBool_Check(v.ptr())) throw py::type_error(key + " expects True or False, got " + type_name(v));
   return v.ptr() == Py_True;
+}
+
+/// The layer's output projection W_o (wo=, [D][Hq·d], read by criticalkv) as float32 rows, or none.
+using Projection = std::optional<py::array_t<float, py::array::c_style | py::array::forcecast>>;
+Projection projection_of(py::handle wo) {
+  if (wo.is_none()) return std::nullopt;
+  auto w = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(wo);
+  if (!w) throw py::type_error("wo: expected a float array [D][Hq*d], got " + type_name(wo));
+  if (w.ndim() != 2)
+    throw py::value_error("wo: expected shape [D][Hq*d] (rank 2), got rank " + std::to_string(w.ndim()));
+  return w;
+}
+template <class T>
+void attach(LayerView<T>& layer, const Projection& w) {
+  if (w) layer.output_projection = {w->data(), w->shape(0), w->shape(1), w->shape(1)};
 }
 
 /// The CLI's method options from keyword arguments (`--r-max` is r_max); None leaves one unset.
@@ -374,16 +390,18 @@ LayerInputs layer_inputs(py::handle keys, py::handle values, py::handle queries)
 
 /// compress(); with `seconds`, the time of the library call alone (python/bench_overhead.py).
 Result compress_impl(py::handle keys, py::handle values, py::handle queries, const std::string& method,
-                     py::handle ratio, py::handle budget, py::handle threads, const py::kwargs& kwargs,
+                     py::handle ratio, py::handle budget, py::handle threads, py::handle wo, const py::kwargs& kwargs,
                      double* seconds) {
   const LayerInputs in = layer_inputs(keys, values, queries);
+  const Projection w = projection_of(wo);
   const cli::MethodOptions options = method_options(kwargs);
   const Index t = thread_count(threads);
   const BudgetSpec b = budget_spec(ratio, budget);
   auto store = std::make_shared<Store>();
   store->tokens = in.keys.shape[1];
   store->dim = in.keys.shape[2];
-  const auto run = [&](const auto& runner, const auto& layer) {
+  const auto run = [&](const auto& runner, auto layer) {
+    attach(layer, w);
     py::gil_scoped_release nogil;
     const auto t0 = std::chrono::steady_clock::now();
     store->result = runner->run(layer, b);
@@ -397,14 +415,15 @@ Result compress_impl(py::handle keys, py::handle values, py::handle queries, con
 }
 
 Result compress(py::handle keys, py::handle values, py::handle queries, const std::string& method, py::handle ratio,
-                py::handle budget, py::handle threads, const py::kwargs& kwargs) {
-  return compress_impl(keys, values, queries, method, ratio, budget, threads, kwargs, nullptr);
+                py::handle budget, py::handle threads, py::handle wo, const py::kwargs& kwargs) {
+  return compress_impl(keys, values, queries, method, ratio, budget, threads, wo, kwargs, nullptr);
 }
 
 py::tuple compress_timed(py::handle keys, py::handle values, py::handle queries, const std::string& method,
-                         py::handle ratio, py::handle budget, py::handle threads, const py::kwargs& kwargs) {
+                         py::handle ratio, py::handle budget, py::handle threads, py::handle wo,
+                         const py::kwargs& kwargs) {
   double seconds = 0;
-  Result r = compress_impl(keys, values, queries, method, ratio, budget, threads, kwargs, &seconds);
+  Result r = compress_impl(keys, values, queries, method, ratio, budget, threads, wo, kwargs, &seconds);
   return py::make_tuple(std::move(r), seconds);
 }
 
@@ -420,8 +439,10 @@ class Compressor {
     f16_ = make_runner<Eigen::half>(method, options, threads_);
   }
 
-  Result compress(py::handle keys, py::handle values, py::handle queries, py::handle ratio, py::handle budget) {
+  Result compress(py::handle keys, py::handle values, py::handle queries, py::handle ratio, py::handle budget,
+                  py::handle wo) {
     const LayerInputs in = layer_inputs(keys, values, queries);
+    const Projection w = projection_of(wo);
     const BudgetSpec b = budget_spec(ratio, budget);
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
     if (!lock.owns_lock())
@@ -430,11 +451,13 @@ class Compressor {
     store_->tokens = in.keys.shape[1];
     store_->dim = in.keys.shape[2];
     if (in.keys.dtype == Dtype::f32) {
-      const auto layer = layer_of<float>(in.keys, in.values, in.queries);
+      auto layer = layer_of<float>(in.keys, in.values, in.queries);
+      attach(layer, w);
       py::gil_scoped_release nogil;
       f32_->run(layer, b, store_->result, ws_);
     } else {
-      const auto layer = layer_of<Eigen::half>(in.keys, in.values, in.queries);
+      auto layer = layer_of<Eigen::half>(in.keys, in.values, in.queries);
+      attach(layer, w);
       py::gil_scoped_release nogil;
       f16_->run(layer, b, store_->result, ws_);
     }
@@ -560,19 +583,21 @@ PYBIND11_MODULE(kvcompress, m) {
 
   m.def("compress", &compress, py::arg("keys"), py::arg("values"), py::arg("queries"), py::arg("method") = "selkv",
         py::kw_only(), py::arg("ratio") = py::none(), py::arg("budget") = py::none(), py::arg("threads") = 1,
+        py::arg("wo") = py::none(),
         "Compresses one layer: keys, values [Hkv][n][d], queries [Hq][W][d] (float32 or float16, any strides).\n"
-        "ratio= or budget= (an int, or one per KV head); options as the CLI's (r_max for --r-max).");
+        "ratio= or budget= (an int, or one per KV head); options as the CLI's (r_max for --r-max);\n"
+        "wo= the layer's output projection [D][Hq*d] (criticalkv, critical-adakv).");
 
   m.def("_compress_timed", &compress_timed, py::arg("keys"), py::arg("values"), py::arg("queries"),
         py::arg("method") = "selkv", py::kw_only(), py::arg("ratio") = py::none(), py::arg("budget") = py::none(),
-        py::arg("threads") = 1,
+        py::arg("threads") = 1, py::arg("wo") = py::none(),
         "As compress; returns (result, seconds of the library call alone), for python/bench_overhead.py.");
 
   py::class_<Compressor>(m, "Compressor", "A method with its options; keeps its result and workspace between calls.")
       .def(py::init<const std::string&, py::handle, const py::kwargs&>(), py::arg("method") = "selkv", py::kw_only(),
            py::arg("threads") = 1)
       .def("compress", &Compressor::compress, py::arg("keys"), py::arg("values"), py::arg("queries"), py::kw_only(),
-           py::arg("ratio") = py::none(), py::arg("budget") = py::none(),
+           py::arg("ratio") = py::none(), py::arg("budget") = py::none(), py::arg("wo") = py::none(),
            "As kvcompress.compress; the Result is overwritten by the next call.")
       .def_property_readonly("method", &Compressor::method)
       .def_property_readonly("threads", &Compressor::threads)

@@ -590,6 +590,8 @@ struct LayerInput {
   const std::ptrdiff_t* positions = nullptr;
   const float* bias = nullptr;
   std::ptrdiff_t state_stride = 0;  ///< elements between heads in positions and bias
+  const float* wo = nullptr;  ///< the layer's output projection [dim][Hq·d] (row-major, as the checkpoint's)
+  std::ptrdiff_t dim = 0;     ///< its rows, the model dimension
 };
 
 /// A compressor's result for one layer. keys/values: [Hkv][m][d]; bias: [Hkv][m] additive logit bias
@@ -798,6 +800,8 @@ class Session {
     in.Hq = c.n_heads;
     in.d = d_;
     in.head_stride = head_stride();
+    in.wo = model_->layer(layer).wo;
+    in.dim = c.dim;
     return in;
   }
 
@@ -887,6 +891,8 @@ class Session {
     in.Hq = c.n_heads;
     in.d = d_;
     in.head_stride = head_stride();
+    in.wo = model_->layer(layer).wo;
+    in.dim = c.dim;
     in.positions = s.positions.data();
     in.bias = s.bias.data();
     in.state_stride = capacity_;

@@ -283,12 +283,24 @@ struct PositionView {
   Index at(Index g, Index i) const { return data ? data[g * head_stride + i] : i; }
 };
 
+/// A layer's attention output projection W_o `[D][Hq·d]` in float for every cache type (row r at
+/// data + r·row_stride; column h·d + c multiplies channel c of query head h): llama2.c's `wo`, HF's
+/// `o_proj.weight`. Absent (data null): only scorers that read it (CriticalKV) need it.
+struct ProjectionView {
+  const float* data = nullptr;
+  Index rows = 0;        // D, the model dimension
+  Index cols = 0;        // Hq·d
+  Index row_stride = 0;  // >= cols
+  float at(Index r, Index c) const { return data[r * row_stride + c]; }
+};
+
 /// One layer of one sequence as the engine cached it (SPEC §1).
 ///   keys, values : [Hkv][n][d]   post-RoPE keys and values
 ///   queries      : [Hq][W][d]    post-RoPE queries of the last W positions (cache entries n-W .. n-1)
 ///   positions    : [Hkv][n]      optional: the RoPE position each key was rotated at (absent: 0..n-1)
 ///   bias         : [Hkv][<=n]    optional: each entry's additive logit bias from an earlier
 ///                                compression (absent, or entries beyond its length: 0)
+///   output_projection : [D][Hq·d] optional: the layer's W_o, float (read by CriticalKV's scorer)
 /// A LayerResult handed back as the next view: docs/integration.md ("Compressing again").
 template <class T>
 struct LayerView {
@@ -297,6 +309,7 @@ struct LayerView {
   TensorView<const T> queries;
   PositionView positions{};
   BiasView<compute_t<T>> bias{};
+  ProjectionView output_projection{};
 
   /// Whether entries carry a stored bias (the window attention adds it to its logits).
   bool biased() const { return bias.data != nullptr && bias.length > 0; }
@@ -507,6 +520,43 @@ Status check_positions(const LayerView<T>& layer) {
   return Status::ok();
 }
 
+/// The output projection when present: [rows >= 1][query heads·head dim], a non-null pointer,
+/// row_stride >= cols; with `required`, absent is an error naming `who`. With `scan`, every entry finite.
+template <class T>
+Status check_output_projection(const LayerView<T>& layer, bool required, bool scan, const char* who = "") {
+  const ProjectionView& w = layer.output_projection;
+  if (w.data == nullptr) {
+    if (w.rows != 0 || w.cols != 0)
+      return Status::fail(Status::Code::invalid_shape, concat("output_projection: data is null but the shape is [",
+                                                               w.rows, "][", w.cols, "]"));
+    if (required)
+      return Status::fail(Status::Code::invalid_argument,
+                          concat("output_projection: ", who, " needs the layer's output projection W_o ([model dim][",
+                                 "query heads=", layer.query_heads(), " x head dim=", layer.head_dim(),
+                                 "], LayerView::output_projection), which is absent"));
+    return Status::ok();
+  }
+  Index cols = 0;
+  if (!checked_mul(layer.query_heads(), layer.head_dim(), cols) || w.cols != cols || w.rows < 1)
+    return Status::fail(Status::Code::invalid_shape,
+                        concat("output_projection: shape [", w.rows, "][", w.cols, "] must be [model dim >= 1][query ",
+                               "heads=", layer.query_heads(), " x head dim=", layer.head_dim(), "]"));
+  if (w.row_stride < w.cols)
+    return Status::fail(Status::Code::invalid_shape, concat("output_projection: row_stride ", w.row_stride,
+                                                             " must be >= cols ", w.cols));
+  Index elements = 0;
+  if (!checked_mul(w.rows, w.row_stride, elements) || elements > kMaxViewBytes / static_cast<Index>(sizeof(float)))
+    return Status::fail(Status::Code::invalid_shape, concat("output_projection: [", w.rows, "] rows of stride ",
+                                                             w.row_stride, " exceed ", kMaxViewBytes, " bytes"));
+  if (scan)
+    for (Index r = 0; r < w.rows; ++r)
+      for (Index c = 0; c < w.cols; ++c)
+        if (!std::isfinite(w.at(r, c)))
+          return Status::fail(Status::Code::non_finite,
+                              concat("output_projection[", r, "][", c, "] is not finite (", w.at(r, c), ")"));
+  return Status::ok();
+}
+
 /// The stored bias: [kv heads][length <= n], a non-null pointer when length > 0, head_stride >= length
 /// with more than one head; with `scan` every entry finite (−inf would hide an entry: evict it instead).
 template <class T>
@@ -565,6 +615,7 @@ Status validate_layer_impl(const LayerView<T>& layer, bool check_keys, bool chec
                                ") rows over tokens=", layer.tokens(), " needs more than ", kMaxViewBytes, " bytes"));
   KVC_RETURN_IF_ERROR(detail::check_positions(layer));
   KVC_RETURN_IF_ERROR(detail::check_bias(layer, check_queries));
+  KVC_RETURN_IF_ERROR(detail::check_output_projection(layer, /*required=*/false, /*scan=*/false));
   if (check_keys) KVC_RETURN_IF_ERROR(detail::check_finite(layer.keys, "keys"));
   if (check_values) KVC_RETURN_IF_ERROR(detail::check_finite(layer.values, "values"));
   if (check_queries)  // only the last window() query rows are read

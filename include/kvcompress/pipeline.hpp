@@ -481,11 +481,13 @@ class Pipeline {
   void run_unchecked(const LayerView<T>& layer, std::vector<Index>& budgets, LayerResult<compute_t<T>>& result,
                      Workspace<compute_t<T>>& ws, bool release_scratch = false) const;
 
-  /// Stage 1: ws.mass[g] <- a_g (when a policy needs it, else 0), ws.score[g] <- the scorer's scores,
+  /// Stage 1: ws.mass[g] <- a_g (when a policy needs it, else 0), ws.score[g] <- the scorer's scores
+  /// (its context holds the head's budget before allocation, budgets[g]),
   /// and ws.outputs[g] <- Y = A·V for a merger that reads it. Scratch: one (G·W, n) window workspace
   /// per worker, reused across its heads (and calls).
   template <class T>
-  void score_heads(const LayerView<T>& layer, Workspace<compute_t<T>>& ws, bool release_scratch) const {
+  void score_heads(const LayerView<T>& layer, const std::vector<Index>& budgets, Workspace<compute_t<T>>& ws,
+                   bool release_scratch) const {
     using Real = compute_t<T>;
     const Index H = layer.kv_heads(), n = layer.tokens();
     const auto heads = static_cast<std::size_t>(H);
@@ -510,7 +512,9 @@ class Pipeline {
           computed = true;
         }
       if (!computed) ws.mass[h].setZero(n);
-      scorer().score(ScoreContext<T>(layer, g, args_.attention, ws.mass[h], &args_.reposition), ws.score[h]);
+      ScoreContext<T> ctx(layer, g, args_.attention, ws.mass[h], &args_.reposition);
+      ctx.set_budget(budgets[h]);
+      scorer().score(ctx, ws.score[h]);
     });
     if (release_scratch) std::vector<WindowWorkspace<Real>>().swap(ws.window);  // one-shot run(): free it now
     if (args_.check_finite) check_folded_scans(layer, ws.finite, ws.values_finite, ws.score);
@@ -725,7 +729,7 @@ void Pipeline<Scorer, Selector, Router, Merger, Compensator, Allocator>::run_unc
     Workspace<compute_t<T>>& ws, bool release_scratch) const {
   using Real = compute_t<T>;
   // 1. Window attention and scores, per KV head.     ws.mass[g], ws.score[g]: (n)
-  score_heads(layer, ws, release_scratch);
+  score_heads(layer, budgets, ws, release_scratch);
   // 2. Budget allocation.                            budgets: [Hkv] m_g, Σ m_g kept
   allocator().allocate(ws.score, budgets);
   // 3. Selection.                                    kept[g]: (m_g) ascending, evicted[g]: (n − m_g)

@@ -90,6 +90,11 @@ class ScoreContext {
   /// (n) raw window attention mass a_g (zeros unless a policy declares traits::needs_mass).
   const Vector<Real>& mass() const { return mass_; }
 
+  /// KV head's budget m_g as the caller gave it (clamped to n), before any allocator; 0 when unknown
+  /// (a context built without one). CriticalKV's first stage reads it.
+  Index budget() const { return budget_; }
+  void set_budget(Index m) { budget_ = m; }
+
   /// p (n) <- the causal window probabilities of row r = local_head·W + i of this head's query group
   /// (SPEC §2): softmax_j(softcap(scale·<q, k_j>) + bias_j) for j <= n − W + i, 0 beyond. O(n·d), no other
   /// memory. Throws kvc::error when a logit is not finite (keys or queries too large for the
@@ -116,6 +121,7 @@ class ScoreContext {
   const AttentionArguments& attention_;
   const Vector<Real>& mass_;
   const RopeArguments* rope_;
+  Index budget_ = 0;
   // A matrix and a flag rather than std::optional: GCC 12 warns (maybe-uninitialized) on an optional
   // Eigen matrix's destructor.
   mutable RowMatrix<Real> probs_;

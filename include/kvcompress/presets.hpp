@@ -11,6 +11,7 @@
 #include "kvcompress/merger/ridge.hpp"
 #include "kvcompress/pipeline.hpp"
 #include "kvcompress/router/bucket_router.hpp"
+#include "kvcompress/scorer/critical_attention.hpp"
 #include "kvcompress/scorer/expected_attention.hpp"
 #include "kvcompress/scorer/key_diversity.hpp"
 #include "kvcompress/scorer/lag_relative.hpp"
@@ -86,6 +87,13 @@ using AdaKVSnapKV = Pipeline<AttentionMass, TopK<0, 32, 5>, NoRoute, Drop, NoCom
 /// AdaKV over SelKV: SelKV's scores, routing, soft gate and bias with per-head selection (shared
 /// selection needs equal budgets).
 using AdaKVSelKV = Pipeline<ValueWeighted, TopK<0, 16, 5>, BucketRouter<32>, SoftGate, AttentionRatio, AdaKV>;
+
+/// CriticalKV over SnapKV (kvpress CriticalKVPress): half of each head's budget by SnapKV's pooled
+/// window mass, the rest by (mass + ε)·‖W_o v‖₁. Needs the layer's output_projection W_o.
+using CriticalKV = Pipeline<CriticalAttention, TopK<0, 32, 0>, NoRoute, Drop, NoCompensation>;
+
+/// CriticalAdaKV: AdaKV's allocation over CriticalKV's scores, then CriticalKV's selection per head.
+using CriticalAdaKV = Pipeline<CriticalAttention, TopK<0, 32, 0>, NoRoute, Drop, NoCompensation, AdaKV>;
 
 /// SnapKV's eviction, each evicted value folded into the kept token of most similar key (global
 /// key-cosine routing), weighted by that cosine and the value norms (kvpress MergingPress).

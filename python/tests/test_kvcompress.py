@@ -28,6 +28,11 @@ def layer(seed=0, hkv=HKV, hq=HQ, n=N, d=D, w=W, dtype=np.float32):
     return k.astype(dtype), v.astype(dtype), q.astype(dtype)
 
 
+def output_projection(seed=0, dim=24, dtype=np.float32):
+    """A layer's W_o [dim][HQ * D]."""
+    return np.random.default_rng(seed + 100).standard_normal((dim, HQ * D), dtype=np.float32).astype(dtype)
+
+
 def bits(a):
     """The array's bit patterns, so that equality is exact (also for -0.0 and NaN)."""
     a = np.ascontiguousarray(a)
@@ -42,7 +47,7 @@ def same(r1, r2):
     assert r1.next_position == r2.next_position
 
 
-def cli(tmp_path, k, v, q, method, ratio=None, budget=None, **options):
+def cli(tmp_path, k, v, q, method, ratio=None, budget=None, wo=None, **options):
     """The tool's `compress` on the same arrays saved as .npy: positions, keys, values, bias."""
     if TOOL is None:
         pytest.skip("KVC_TOOL is not set (ctest sets it to the kvcompress tool)")
@@ -50,6 +55,9 @@ def cli(tmp_path, k, v, q, method, ratio=None, budget=None, **options):
         np.save(tmp_path / f"{name}.npy", a)
     args = [TOOL, "compress", "--keys", str(tmp_path / "K.npy"), "--values", str(tmp_path / "V.npy"),
             "--queries", str(tmp_path / "Q.npy"), "--method", method, "--out", str(tmp_path / "out")]
+    if wo is not None:
+        np.save(tmp_path / "Wo.npy", wo)
+        args += ["--wo", str(tmp_path / "Wo.npy")]
     if ratio is not None:
         args += ["--ratio", repr(ratio)]
     if budget is not None:
@@ -75,11 +83,12 @@ def assert_equals_cli(r, expected):
 @pytest.mark.parametrize("method", kc.methods)
 def test_every_method_equals_the_tool(tmp_path, method):
     k, v, q = layer(1, w=N if method == "observed-attention" else W)  # H2O reads every prefill query
-    r = kc.compress(k, v, q, method, ratio=0.25)
-    assert_equals_cli(r, cli(tmp_path, k, v, q, method, ratio=0.25))
+    wo = output_projection(1) if method.startswith("critical") else None  # CriticalKV reads W_o
+    r = kc.compress(k, v, q, method, ratio=0.25, wo=wo)
+    assert_equals_cli(r, cli(tmp_path, k, v, q, method, ratio=0.25, wo=wo))
     m = N if method == "full" else int(0.25 * N)
     np.testing.assert_array_equal(r.lengths, np.load(tmp_path / "out" / "lengths.npy"))
-    if method.startswith("adakv"):  # ragged: HKV * m entries in all, padded to the longest head
+    if method.startswith("adakv") or method == "critical-adakv":  # ragged: HKV * m entries in all
         assert r.lengths.sum() == HKV * m and r.lengths.min() >= 1
         m = r.lengths.max()
     elif method == "threshold":  # ragged: the count is the outcome, capped by m
@@ -481,3 +490,22 @@ def test_documented_method_list_is_the_modules():
     found = re.search(r"`kvcompress\.methods` lists them \(`([^`]*)`", text, re.S)
     assert found, "docs/python.md lists the methods as `kvcompress.methods` lists them (`...`"
     assert found.group(1).split() == list(kc.methods)
+
+
+def test_output_projection_wo():
+    k, v, q = layer(2)
+    wo = output_projection(2)
+    r = kc.compress(k, v, q, "criticalkv", ratio=0.25, wo=wo)
+    assert r.lengths.tolist() == [int(0.25 * N)] * HKV
+    # float16 W_o is converted; a Compressor takes it per call; other methods ignore a valid one.
+    same(kc.compress(k, v, q, "criticalkv", ratio=0.25, wo=wo.astype(np.float16)),
+         kc.compress(k, v, q, "criticalkv", ratio=0.25, wo=wo.astype(np.float16).astype(np.float32)))
+    same(kc.Compressor("criticalkv").compress(k, v, q, ratio=0.25, wo=wo), r)
+    same(kc.compress(k, v, q, "snapkv", ratio=0.25, wo=wo), kc.compress(k, v, q, "snapkv", ratio=0.25))
+    same(kc.compress(k, v, q, "snapkv", ratio=0.25, wo=wo, scorer="criticalkv"), r)
+    with pytest.raises(ValueError, match="output_projection"):
+        kc.compress(k, v, q, "criticalkv", ratio=0.25)
+    with pytest.raises(ValueError, match="output_projection: shape"):
+        kc.compress(k, v, q, "criticalkv", ratio=0.25, wo=wo[:, 1:])
+    with pytest.raises(ValueError, match="rank 2"):
+        kc.compress(k, v, q, "criticalkv", ratio=0.25, wo=wo[0])

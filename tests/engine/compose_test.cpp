@@ -24,11 +24,13 @@ using kvc::Budget;
 using kvc::Index;
 using kvc::cli::MethodOptions;
 
-/// A GQA layer (4 KV heads, 8 query heads) with random keys, values and window queries.
+/// A GQA layer (4 KV heads, 8 query heads) with random keys, values, window queries and output
+/// projection W_o [D][Hq·d] (read by criticalkv only).
 template <class T>
 struct Layer {
-  static constexpr Index H = 4, Hq = 8, n = 160, d = 16, W = 12;
+  static constexpr Index H = 4, Hq = 8, n = 160, d = 16, W = 12, D = 24;
   std::vector<T> K, V, Q;
+  std::vector<float> Wo;
   explicit Layer(std::uint64_t seed) {
     auto rng = kvc::test::make_rng(seed);
     std::normal_distribution<float> N;
@@ -38,10 +40,14 @@ struct Layer {
     }
     Q.resize(Hq * W * d);
     for (auto& x : Q) x = T(N(rng));
+    Wo.resize(D * Hq * d);
+    for (auto& x : Wo) x = N(rng);
   }
   kvc::LayerView<T> view() const {
-    return {kvc::make_head_major<const T>(K.data(), H, n, d), kvc::make_head_major<const T>(V.data(), H, n, d),
-            kvc::make_head_major<const T>(Q.data(), Hq, W, d)};
+    kvc::LayerView<T> v{kvc::make_head_major<const T>(K.data(), H, n, d), kvc::make_head_major<const T>(V.data(), H, n, d),
+                        kvc::make_head_major<const T>(Q.data(), Hq, W, d)};
+    v.output_projection = {Wo.data(), D, Hq * d, Hq * d};
+    return v;
   }
 };
 
@@ -110,6 +116,12 @@ TEST_CASE("swapped stages equal the preset that composes them", "[compose]") {
   MethodOptions uniform;
   uniform.allocation = "uniform";
   same("adakv-snapkv", uniform, "snapkv");
+  same("critical-adakv", uniform, "criticalkv");
+  MethodOptions critical_ada;
+  critical_ada.allocation = "adakv";
+  same("criticalkv", critical_ada, "critical-adakv");
+  // CriticalKV's scorer pools its own mass: it turns SnapKV's selector pooling off.
+  same("snapkv", swap("criticalkv"), "criticalkv");
 }
 
 TEST_CASE("a composition no preset has equals the same policies composed at compile time", "[compose]") {
@@ -133,6 +145,18 @@ TEST_CASE("a composition no preset has equals the same policies composed at comp
     INFO("cam");
     kvc::test::check_identical(run("snapkv", swap({}, "cam"), f.view(), kRatio),
                                kvc::SnapKVCAM{}.run(f.view(), kRatio.budget));
+  }
+
+  {
+    INFO("criticalkv with SelKV's merge and GRKV's");
+    using CriticalSoftGate = kvc::Pipeline<kvc::CriticalAttention, kvc::TopK<0, 32, 0>, kvc::BucketRouter<32>,
+                                           kvc::SoftGate, kvc::AttentionRatio>;
+    using CriticalRidge = kvc::Pipeline<kvc::CriticalAttention, kvc::TopK<0, 32, 0>, kvc::NoRoute, kvc::RidgeMerge,
+                                        kvc::MergeCount>;
+    kvc::test::check_identical(run("criticalkv", swap({}, "soft-gate", "log-ratio"), f.view(), kRatio),
+                               CriticalSoftGate{}.run(f.view(), kRatio.budget));
+    kvc::test::check_identical(run("snapkv", swap("criticalkv", "ridge", "merge-count"), f.view(), kRatio),
+                               CriticalRidge{}.run(f.view(), kRatio.budget));
   }
 
   SECTION("options reach the swapped stages") {
@@ -219,6 +243,17 @@ TEST_CASE("the tool takes --scorer, --merger and --compensator", "[compose][cli]
     CHECK(x.i == y.i);
   }
   CHECK(compress({"--method", "snapkv", "--merger", "nearest"}, "bad") != 0);
+  // criticalkv reads the layer's W_o: --wo, [D][Hq·d].
+  CHECK(compress({"--method", "criticalkv"}, "no-wo") != 0);
+  kvc::engine::write_npy(tmp / "Wo.npy", {f.D, Hq * d}, f.Wo.data());
+  kvc::engine::write_npy(tmp / "Wo_bad.npy", {f.D, Hq * d - 1}, f.Wo.data());
+  CHECK(compress({"--method", "criticalkv", "--wo", tmp / "Wo_bad.npy"}, "bad-wo") != 0);
+  REQUIRE(compress({"--method", "criticalkv", "--wo", tmp / "Wo.npy"}, "critical") == 0);
+  const kvc::LayerResult<float> want = kvc::CriticalKV{}.run(f.view(), Budget::tokens(40));
+  const auto positions = kvc::engine::read_npy(tmp / "critical/positions.npy");
+  REQUIRE(positions.shape == std::vector<std::int64_t>{H, 40});
+  for (Index g = 0; g < H; ++g)
+    for (Index i = 0; i < 40; ++i) CHECK(positions.i[static_cast<std::size_t>(g * 40 + i)] == want.heads[g].positions[i]);
   std::string out, usage;
   CHECK(kvc::test::run_tool(kvc::cli::run_command, {}, out, usage) == 2);
   CHECK_THAT(usage, Catch::Contains("--merger drop|merge-all|soft-gate|ridge|nearest-key|cam"));

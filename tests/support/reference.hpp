@@ -669,6 +669,62 @@ inline std::vector<long> adakv_budgets(const Eigen::MatrixXd& scores, const std:
   return out;
 }
 
+/// CriticalKV (Feng et al. 2025, kvpress CriticalKVPress over SnapKV), per KV head g:
+///   s_j = avg-pool (kernel P, zero padding, divisor P) of a_g over [0, n − W); the last W entries get
+///         the largest pooled value of [0, n − W) (0 when there is none);
+///   w_j = (1/G)·Σ_{h in g} Σ_r |Σ_c Wo(r, h·d + c)·v_{g,j,c}|;   stage 2: (s_j + eps)·w_j;
+///   first[g] = the ⌊r·m_g⌋ entries ranked first by (window entries, then s descending, then lower position).
+///   a: (Hkv,n) window mass, V: [Hkv][n][d], Wo: (D, Hq·d), m: Hkv budgets (0 = no first stage).
+struct Critical {
+  Eigen::MatrixXd stage2;                 // (Hkv,n)
+  std::vector<std::vector<long>> first;   // per head, ascending
+  /// The scores as a selector sees them: stage 2, the first-stage entries at +max.
+  Eigen::MatrixXd scores() const {
+    Eigen::MatrixXd c = stage2;
+    for (std::size_t g = 0; g < first.size(); ++g)
+      for (long j : first[g]) c(static_cast<long>(g), j) = std::numeric_limits<double>::max();
+    return c;
+  }
+};
+inline Critical critical_kv(const Eigen::MatrixXd& a, const Tensor3& V, const Eigen::MatrixXd& Wo, long G, long W,
+                            const std::vector<long>& m, long kernel, double eps, double r) {
+  const long H = V.H, n = V.n, d = V.d, D = Wo.rows();
+  require(a.rows() == H && a.cols() == n && Wo.cols() == H * G * d, "critical_kv: shapes differ");
+  const long lo = n - std::min(W, n);
+  Critical out;
+  out.stage2 = Eigen::MatrixXd::Zero(H, n);
+  out.first.resize(static_cast<std::size_t>(H));
+  for (long g = 0; g < H; ++g) {
+    std::vector<double> s = pool(row_vector(a, g), n, 0, n - lo, kernel, false);
+    double top = 0.0;
+    for (long j = 0; j < lo; ++j) top = j == 0 ? s[static_cast<std::size_t>(j)] : std::max(top, s[static_cast<std::size_t>(j)]);
+    for (long j = lo; j < n; ++j) s[static_cast<std::size_t>(j)] = top;
+    for (long j = 0; j < n; ++j) {
+      double w = 0.0;
+      for (long h = g * G; h < (g + 1) * G; ++h)
+        for (long row = 0; row < D; ++row) {
+          double u = 0.0;
+          for (long c = 0; c < d; ++c) u += Wo(row, h * d + c) * V.at(g, j, c);
+          w += std::abs(u);
+        }
+      out.stage2(g, j) = (s[static_cast<std::size_t>(j)] + eps) * (w / double(G));
+    }
+    std::vector<long> order(static_cast<std::size_t>(n));
+    for (long j = 0; j < n; ++j) order[static_cast<std::size_t>(j)] = j;
+    std::sort(order.begin(), order.end(), [&](long x, long y) {
+      const bool wx = x >= lo, wy = y >= lo;
+      if (wx != wy) return wx;
+      if (!wx && s[static_cast<std::size_t>(x)] != s[static_cast<std::size_t>(y)])
+        return s[static_cast<std::size_t>(x)] > s[static_cast<std::size_t>(y)];
+      return x < y;
+    });
+    const long k1 = std::min(n, static_cast<long>(std::floor(r * double(m[static_cast<std::size_t>(g)]))));
+    out.first[static_cast<std::size_t>(g)].assign(order.begin(), order.begin() + k1);
+    std::sort(out.first[static_cast<std::size_t>(g)].begin(), out.first[static_cast<std::size_t>(g)].end());
+  }
+  return out;
+}
+
 // ----------------------------------------------------------------------------------------------------
 // §6 Router
 // ----------------------------------------------------------------------------------------------------

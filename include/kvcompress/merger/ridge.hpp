@@ -626,28 +626,22 @@ inline Attention take_rows(const Attention& att, const std::vector<Index>& rows)
   return out;
 }
 
-/// ‖Y − X·V‖_F in double with X·V in Real, as window_error (absolute). X (R, m) filled. O(R·m·d).
-template <class Real>
-double output_error(const RowMatrix<Real>& Q, const RowMatrix<Real>& K, const RowMatrix<Real>& V,
-                    const Attention& att, const RowMatrix<Real>& Y, RowMatrix<Real>& X) {
-  probabilities(Q, K, att, X);
-  const RowMatrix<Real> f = X * V;  // (R, d)
-  return (Y.template cast<double>() - f.template cast<double>()).norm();
-}
 }  // namespace detail
 
 /// regress() with lambda_mode = holdout (fit / check split from holdout_rows, `check` not empty).
-/// Value step: Z_F = Y_F − X_F V⁰, Gram G = X_FU X_FUᵀ, P = X_CU X_FUᵀ (check × fit); for each λ of
-/// lambda_grid S(λ) = (G + λ I)⁻¹ Z_F and the check residual Y_C − X_C V(λ) = (Y_C − X_C V⁰) − P S(λ);
-/// the λ with the smallest residual norm is taken (ties to the larger λ) and V_U ← V_U⁰ + X_FUᵀ S(λ).
-/// Key step: the key step of SPEC §9 on the fit rows (CG at lambda_k) gives K¹; the keys
-/// K + t·(K¹ − K), t ∈ {1, 1/2, 1/4}, with the smallest check error are taken (ties to the longer step).
-/// With `safeguard` a step whose check error ‖Y_C − X_C(K) V‖ is not below the one before it is undone
-/// (value_step_rejected / key_step_rejected, key_step_length 0); so the check error after the merge is
-/// never above the eviction's. Errors compared are evaluated as window_error does (f in Real, difference
-/// in double). Cost against the fixed mode: the same products on fewer fit rows, plus |grid| (R_F, R_F)
-/// Cholesky solves, one (R_C×R_F×u) product for P, and per step one evaluation of the check rows'
-/// outputs (three for the key step's lengths).
+/// Value step, with Z_F = Y_F − X_F V⁰ and Z_C = Y_C − X_C V⁰: for each λ of lambda_grid the value step
+/// on the fit rows, ΔV_U(λ) = (X_FUᵀ X_FU + λ I)⁻¹ X_FUᵀ Z_F = X_FUᵀ (X_FU X_FUᵀ + λ I)⁻¹ Z_F (primal
+/// when u < R_F, else dual), and its check residual Z_C − X_CU ΔV_U(λ); the λ with the smallest
+/// residual norm is taken (ties to the larger λ) and V_U ← V_U⁰ + ΔV_U(λ). One Gram matrix serves the
+/// grid. Key step: the key step of SPEC §9 on the fit rows (CG at lambda_k) gives K¹; of
+/// K + t·(K¹ − K), t ∈ {1, 1/2, 1/4}, the smallest check error is taken (ties to the longer step).
+/// With `safeguard` a step whose check error ‖Y_C − X_C(K) V‖ is not below the one before it is
+/// undone (value_step_rejected / key_step_rejected, key_step_length 0); so the check error after the
+/// merge never exceeds the eviction's. Check errors are formed in double.
+///
+/// Cost against the fixed mode (value then key, S = 1): the fixed mode's products on the R_F fit rows
+/// (CG included) and on the R_C = R − R_F check rows once more for Z_C, plus the check rows' outputs
+/// at the three key candidates (six R_C×m×d products) and |grid| Cholesky solves of size min(u, R_F).
 template <class Real>
 void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const Attention& att,
                      const std::vector<Index>& free, const RidgeMerge::Arguments& args,
@@ -658,16 +652,21 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
   const RowMatrix<Real> QF = detail::take_rows(Q, fit_rows), YF = detail::take_rows(Y, fit_rows);    // (R_F, d)
   const RowMatrix<Real> QC = detail::take_rows(Q, check_rows), YC = detail::take_rows(Y, check_rows);  // (R_C, d)
   const Attention attF = detail::take_rows(att, fit_rows), attC = detail::take_rows(att, check_rows);
+  const Eigen::MatrixXd YC_d = YC.template cast<double>();  // (R_C, d)
+  const Index RF = static_cast<Index>(fit_rows.size()), u = static_cast<Index>(free.size());
   const double y_norm = Y.template cast<double>().norm();
   const auto relative = [&](double err) { return y_norm > 0.0 ? err / y_norm : err; };
+  const auto residual = [&](const RowMatrix<Real>& XC_, const RowMatrix<Real>& V_) {  // Y_C − X_C V in double
+    return Eigen::MatrixXd(YC_d - XC_.template cast<double>() * V_.template cast<double>());
+  };
 
   // Known at the current (K, V); invalidated when K or V changes.
   RowMatrix<Real> XF, chainF, XFU, XC;  // (R_F, m), (R_F, m) capped only, (R_F, u), (R_C, m)
-  bool have_xf = false, have_xfu = false;
+  bool have_xf = false, have_xfu = false, have_xc = false;
   RowMatrix<Real> fF;  // (R_F, d) X_F·V
   Eigen::MatrixXd EF;  // (R_F, d) Y_F − f_F in double
   bool have_f = false;
-  double check_err = 0.0;  // ‖Y_C − f_C‖ (absolute)
+  double check_err = 0.0;  // ‖Y_C − X_C V‖
   bool have_check = false;
   const auto ensure_xf = [&] {
     if (have_xf) return;
@@ -687,8 +686,15 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
     EF = YF.template cast<double>() - fF.template cast<double>();
     have_f = true;
   };
+  const auto ensure_xc = [&] {
+    if (!have_xc) probabilities(QC, K, attC, XC);
+    have_xc = true;
+  };
   const auto checked = [&] {
-    if (!have_check) check_err = detail::output_error(QC, K, V, attC, YC, XC);
+    if (!have_check) {
+      ensure_xc();
+      check_err = residual(XC, V).norm();
+    }
     have_check = true;
     return check_err;
   };
@@ -697,7 +703,6 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
     const double c = checked();
     return relative(std::sqrt(EF.squaredNorm() + c * c));
   };
-  diag.window_error_before = whole_error();
 
   const bool single = args.steps == 1;
   RowMatrix<Real> K0_copy, V0_copy;
@@ -707,50 +712,80 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
   }
   const RowMatrix<Real>& K0 = single ? K : K0_copy;
   const RowMatrix<Real>& V0 = single ? V : V0_copy;
+  bool before_pending = true;  // window_error_before not yet recorded (K = K⁰, V = V⁰)
 
   const auto run_value_step = [&] {
-    ensure_xfu();
-    const double before = checked();  // XC holds X_C at the current keys
-    Eigen::MatrixXd gram, ZF;         // (R_F, R_F) lower, (R_F, d)
-    detail::dual_system(XF, V0, YF, free, 0.0, gram, ZF);
-    const Eigen::MatrixXd ZC = YC.template cast<double>() -
-                               XC.template cast<double>() * V0.template cast<double>();  // (R_C, d)
-    const Eigen::MatrixXd P =
-        detail::free_columns(XC, free) * detail::free_columns(XF, free).transpose();  // (R_C, R_F)
-    Eigen::MatrixXd best_S, S;  // (R_F, d)
+    ensure_xf();
+    ensure_xc();
+    const bool primal = u < RF;
+    Eigen::MatrixXd gram, ZF;  // (R_F, R_F) lower (dual only), (R_F, d)
+    detail::dual_system(XF, V0, YF, primal ? std::vector<Index>{} : free, 0.0, gram, ZF);
+    const Eigen::MatrixXd ZC = residual(XC, V0);  // (R_C, d)
+    const bool at_anchor = before_pending || &V == &V0;  // V = V⁰: Z_C is the check residual
+    if (before_pending) {
+      diag.window_error_before = relative(std::sqrt(ZF.squaredNorm() + ZC.squaredNorm()));
+      before_pending = false;
+    }
+    const double before = at_anchor ? ZC.norm() : checked();
+    const Eigen::MatrixXd XFU_d = detail::free_columns(XF, free), XCU_d = detail::free_columns(XC, free);
+    Eigen::MatrixXd N, B, P;  // primal: (u, u) lower, (u, d); dual: (R_C, R_F)
+    if (primal) {
+      N.setZero(u, u);
+      N.template selfadjointView<Eigen::Lower>().rankUpdate(XFU_d.transpose());
+      B = XFU_d.transpose() * ZF;
+    } else {
+      P = XCU_d * XFU_d.transpose();
+    }
+    Eigen::MatrixXd A, D, R, best_D;  // D: primal ΔV_U (u, d), dual S (R_F, d)
     double best_lambda = 0.0, best = std::numeric_limits<double>::infinity();
     for (const double lambda : args.lambda_grid) {
-      Eigen::MatrixXd A = gram;
+      A = primal ? N : gram;
       A.diagonal().array() += lambda;
-      S = ZF;
-      if (!linalg::solve_spd(A, S)) continue;
-      const double e = (ZC - P * S).norm();
+      D = primal ? B : ZF;
+      if (!linalg::solve_spd(A, D)) continue;
+      R = primal ? Eigen::MatrixXd(ZC - XCU_d * D) : Eigen::MatrixXd(ZC - P * D);
+      const double e = R.norm();
       if (e <= best) {
         best = e;
         best_lambda = lambda;
-        best_S = S;
+        best_D = D;
       }
     }
     diag.lambda_v = best_lambda;
-    RowMatrix<Real> V_prev;  // (m, d) to undo
-    if (args.safeguard) V_prev = V;
-    if (best_S.size() == 0 || !detail::apply_value_update(XFU, best_S, V0, free, V, limit)) {
-      diag.value_step_rejected = true;  // nothing written: V kept
-      return;
+    check_err = before;
+    have_check = true;
+    const bool reject = best_D.size() == 0 || (args.safeguard && !(best < before));
+    bool written = false;
+    if (!reject && primal) {
+      RowMatrix<Real> rows(u, V0.cols());  // (u, d) V_U⁰ + ΔV_U
+      for (Index k = 0; k < u; ++k)
+        rows.row(k) = (V0.row(free[static_cast<std::size_t>(k)]).template cast<double>() + best_D.row(k))
+                          .template cast<Real>();
+      written = (rows.array().abs() < limit).all();
+      if (written) {
+        if (&V != &V0) V = V0;
+        for (Index k = 0; k < u; ++k) V.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
+        EF = ZF - XFU_d * best_D;  // Y_F − X_F V
+      }
+    } else if (!reject) {
+      ensure_xfu();
+      written = detail::apply_value_update(XFU, best_D, V0, free, V, limit);
+      if (written) EF = best_lambda * best_D;  // Y_F − X_F V = λ S
     }
-    have_check = false;
-    if (args.safeguard && !(checked() < before)) {
-      V = V_prev;
+    if (!written) {  // nothing written: V kept
       diag.value_step_rejected = true;
-      check_err = before;
       return;
     }
-    EF = best_lambda * best_S;  // Y_F − X_F V = λ S
     fF = (YF.template cast<double>() - EF).template cast<Real>();
     have_f = true;
+    check_err = best;
   };
 
   const auto run_key_step = [&] {
+    if (before_pending) {
+      diag.window_error_before = whole_error();
+      before_pending = false;
+    }
     ensure_xfu();
     ensure_f();
     const double before = checked();
@@ -775,25 +810,29 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
       return;
     }
     const RowMatrix<Real> K_full = K;  // (m, d) the full step
+    RowMatrix<Real> XC_try, XC_best;   // (R_C, m)
     double best = std::numeric_limits<double>::infinity();
     Real best_t = 0;
     for (const Real t : {Real(1), Real(0.5), Real(0.25)}) {
       for (const Index j : free) K.row(j) = K_prev.row(j) + t * (K_full.row(j) - K_prev.row(j));
-      const double e = detail::output_error(QC, K, V, attC, YC, XC);
+      probabilities(QC, K, attC, XC_try);
+      const double e = residual(XC_try, V).norm();
       if (e < best) {
         best = e;
         best_t = t;
+        XC_best.swap(XC_try);
       }
     }
     if (best_t == Real(0) || (args.safeguard && !(best < before))) {
-      K = K_prev;
+      K = K_prev;  // XC, check_err still describe K
       diag.key_step_rejected = true;
-      have_check = false;  // XC is at a candidate's keys
       return;
     }
     for (const Index j : free) K.row(j) = K_prev.row(j) + best_t * (K_full.row(j) - K_prev.row(j));
     diag.key_step_length = static_cast<double>(best_t);
-    have_xf = have_xfu = have_f = have_check = false;
+    have_xf = have_xfu = have_f = false;
+    XC.swap(XC_best);
+    check_err = best;
   };
 
   for (Index step = 0; step < args.steps; ++step) {

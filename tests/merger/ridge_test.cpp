@@ -826,18 +826,19 @@ TEMPLATE_TEST_CASE("RidgeMerge holdout: the chosen λ, the decisions and the res
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(303);
   const Layer<T> layer(rng, /*Hkv=*/3, /*G=*/2, /*n=*/64, /*W=*/8, /*d=*/16, /*key_sigma=*/2.0);
-  struct Config { const char* name; double softcap; bool safeguard; double lambda_k; Index every; };
-  std::array<int, 3> lambda_seen{};  // grid indices 0..2 chosen at least once over the heads
-  int value_kept = 0, key_kept = 0;
-  for (const Config cfg : {Config{"default", 0.0, true, 1e-2, 4}, Config{"no safeguard", 0.0, false, 1e-2, 4},
-                           Config{"soft-cap 4, every 2", 4.0, true, 1e-1, 2},
-                           Config{"tiny lambda_k", 0.0, true, 1e-5, 3}}) {
+  struct Config { const char* name; double softcap; bool safeguard; double lambda_k; Index every; double grid_scale; };
+  std::array<int, 4> lambda_seen{};  // how often each grid index was chosen
+  int value_kept = 0, key_kept = 0, value_undone = 0, key_undone = 0;
+  for (const Config cfg : {Config{"default", 0.0, true, 1e-2, 4, 1.0}, Config{"no safeguard", 0.0, false, 1e-2, 4, 1.0},
+                           Config{"soft-cap 4, every 2", 4.0, true, 1e-1, 2, 1.0},
+                           Config{"tiny lambdas", 0.0, true, 1e-5, 3, 1e-6}}) {
     kvc::AttentionArguments attention;
     attention.softcap = cfg.softcap;
     kvc::RidgeMerge::Arguments args;
     args.safeguard = cfg.safeguard;
     args.lambda_k = cfg.lambda_k;
     args.holdout_every = cfg.every;
+    for (double& lambda : args.lambda_grid) lambda *= cfg.grid_scale;
     args.cg_tolerance = Tol<Real>::cg_tolerance;
     args.cg_max_iterations = 5000;
     for (long g = 0; g < layer.Hkv; ++g)
@@ -854,9 +855,11 @@ TEMPLATE_TEST_CASE("RidgeMerge holdout: the chosen λ, the decisions and the res
         CHECK(diag.value_step_rejected == dec.value_rejected);
         CHECK(diag.key_step_length == dec.key_length);
         CHECK(diag.key_step_rejected == dec.key_rejected);
-        for (std::size_t i = 0; i < 3; ++i) lambda_seen[i] += diag.lambda_v == args.lambda_grid[i];
+        for (std::size_t i = 0; i < 4; ++i) lambda_seen[i] += diag.lambda_v == args.lambda_grid[i];
         value_kept += !diag.value_step_rejected;
         key_kept += !diag.key_step_rejected;
+        value_undone += diag.value_step_rejected;
+        key_undone += diag.key_step_rejected;
         if (dec.value_rejected)
           CHECK((to_mat(run.out.values).array() == run.V0.array()).all());
         else
@@ -872,9 +875,12 @@ TEMPLATE_TEST_CASE("RidgeMerge holdout: the chosen λ, the decisions and the res
       }
   }
   // The cases exercise the choice: more than one λ wins, and steps are kept as well as undone.
+  INFO("grid choices " << lambda_seen[0] << " " << lambda_seen[1] << " " << lambda_seen[2] << " " << lambda_seen[3]
+                       << ", value steps undone " << value_undone << ", key steps undone " << key_undone);
   CHECK(std::count_if(lambda_seen.begin(), lambda_seen.end(), [](int c) { return c > 0; }) >= 2);
   CHECK(value_kept > 0);
   CHECK(key_kept > 0);
+  CHECK(key_undone > 0);
 }
 
 TEMPLATE_TEST_CASE("RidgeMerge holdout with the safeguard never leaves a larger check error than the eviction",

@@ -743,7 +743,11 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
       A.diagonal().array() += lambda;
       D = primal ? B : ZF;
       if (!linalg::solve_spd(A, D)) continue;
-      R = primal ? Eigen::MatrixXd(ZC - XCU_d * D) : Eigen::MatrixXd(ZC - P * D);
+      R = ZC;  // Z_C − X_CU ΔV_U(λ)
+      if (primal)
+        R.noalias() -= XCU_d * D;
+      else
+        R.noalias() -= P * D;
       const double e = R.norm();
       if (e <= best) {
         best = e;

@@ -165,6 +165,8 @@ inline MethodOptions method_options(Args& a) {
   if (a.has("r-max")) o.r_max = a.num("r-max", 0);
   if (a.has("threshold")) o.threshold = a.num("threshold", 0);
   if (a.has("lambda")) o.lambda = a.num("lambda", 0);
+  if (a.has("lambda-mode")) o.lambda_mode = a.str("lambda-mode");
+  if (a.has("holdout-every")) o.holdout_every = a.integer("holdout-every", 0);
   if (a.has("beta")) o.beta = a.num("beta", 0);
   if (a.has("steps")) o.steps = a.integer("steps", 0);
   if (a.has("safeguard")) o.safeguard = a.flag("safeguard");
@@ -630,7 +632,8 @@ inline std::string usage() {
          "common: --model FILE --tokenizer FILE (default: $KVC_MODEL_DIR, ./models, ../shared/models)\n"
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
-         "  --lambda --beta --steps --safeguard --reposition --threshold\n"
+         "  --lambda (fixed λ) --lambda-mode holdout|fixed --holdout-every --beta --steps --safeguard on|off\n"
+         "  --reposition --threshold\n"
          "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge|nearest-key|cam\n"
          "  --compensator none|log-ratio|merge-count --allocation uniform|adakv\n"
          "generate, eval: --layer-budgets uniform|pyramid [--pyramid-beta 20]\n"

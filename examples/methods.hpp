@@ -14,8 +14,8 @@ namespace kvc::cli {
 
 /// Options shared by all subcommands; unset ones keep the preset's defaults.
 struct MethodOptions {
-  std::optional<Index> pool, recent, sinks, bucket, steps;
-  std::optional<std::string> route, selection, pooling;
+  std::optional<Index> pool, recent, sinks, bucket, steps, holdout_every;
+  std::optional<std::string> route, selection, pooling, lambda_mode;
   /// Stages swapped into the method (composed.hpp): --scorer METHOD, --merger, --compensator, --allocation.
   std::optional<std::string> scorer, merger, compensator, allocation;
   std::optional<double> alpha, lambda, beta, r_max, threshold;
@@ -122,12 +122,24 @@ void apply_compensator(A& a, const MethodOptions& o, const std::string& method) 
 template <class A>
 void apply_merger(A& a, const MethodOptions& o, const std::string& method) {
   if constexpr (has_ridge<A>::value) {
-    if (o.lambda) a.lambda_v = a.lambda_k = *o.lambda;
+    using Mode = RidgeMerge::Arguments::LambdaMode;
+    if (o.lambda) {  // the papers' fixed λ, unless --lambda-mode says otherwise
+      a.lambda_v = a.lambda_k = *o.lambda;
+      a.lambda_mode = Mode::fixed;
+    }
+    if (o.lambda_mode) {
+      if (*o.lambda_mode == "fixed") a.lambda_mode = Mode::fixed;
+      else if (*o.lambda_mode == "holdout") a.lambda_mode = Mode::holdout;
+      else throw std::invalid_argument("--lambda-mode must be fixed or holdout, got '" + *o.lambda_mode + "'");
+    }
+    if (o.holdout_every) a.holdout_every = *o.holdout_every;
     if (o.beta) a.beta = *o.beta;
     if (o.steps) a.steps = *o.steps;
     if (o.safeguard) a.safeguard = *o.safeguard;
   } else {
     if (o.lambda) not_applicable("lambda", method);
+    if (o.lambda_mode) not_applicable("lambda-mode", method);
+    if (o.holdout_every) not_applicable("holdout-every", method);
     if (o.beta) not_applicable("beta", method);
     if (o.steps) not_applicable("steps", method);
     if (o.safeguard) not_applicable("safeguard", method);

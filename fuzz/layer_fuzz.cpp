@@ -171,6 +171,9 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     a.merger.cg_tolerance = pick(p, {1e-6, 1e-12, 1e-2, 0.0});
     a.merger.cg_max_iterations = pick_index(p, 0, 100, false);
     a.merger.safeguard = p.ConsumeBool();
+    a.merger.lambda_mode = static_cast<decltype(a.merger.lambda_mode)>(p.ConsumeIntegralInRange<int>(0, 2));
+    a.merger.lambda_grid[0] = pick(p, {1e-3, 1e-12, 1e3, 0.0, std::numeric_limits<double>::quiet_NaN()});
+    a.merger.holdout_every = pick_index(p, 0, 40);
   }
   if constexpr (has_threshold_args<Args>::value)  // NearestKeyMerge
     a.merger.threshold = pick(p, {0.0, 0.5, 1.0, -0.1, 1.5, std::numeric_limits<double>::quiet_NaN()});
@@ -197,11 +200,13 @@ void configure(Args& a, FuzzedDataProvider& p, Index n, Index d) {
     std::fprintf(stderr, "; compensator alpha %g r_max %g", a.compensator.alpha, a.compensator.r_max);
   if constexpr (has_ridge_args<Args>::value)
     std::fprintf(stderr, "; ridge lambda_v %g lambda_k %g beta %g sinks %lld steps %lld order %d value_step %d "
-                 "key_step %d cg_tolerance %g cg_max_iterations %lld safeguard %d",
+                 "key_step %d cg_tolerance %g cg_max_iterations %lld safeguard %d lambda_mode %d lambda_grid[0] %g "
+                 "holdout_every %lld",
                  a.merger.lambda_v, a.merger.lambda_k, a.merger.beta, static_cast<long long>(a.merger.sinks),
                  static_cast<long long>(a.merger.steps), int(a.merger.order), int(a.merger.value_step),
                  int(a.merger.key_step), a.merger.cg_tolerance, static_cast<long long>(a.merger.cg_max_iterations),
-                 int(a.merger.safeguard));
+                 int(a.merger.safeguard), int(a.merger.lambda_mode), a.merger.lambda_grid[0],
+                 static_cast<long long>(a.merger.holdout_every));
   if constexpr (has_threshold_args<Args>::value) std::fprintf(stderr, "; merger threshold %g", a.merger.threshold);
   if constexpr (has_merge_window_args<Args>::value)
     std::fprintf(stderr, "; merger window %lld", static_cast<long long>(a.merger.window));

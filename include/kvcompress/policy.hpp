@@ -44,6 +44,8 @@ struct HeadDiagnostics {
   SolverStatus cg_status = SolverStatus::not_run;
   bool key_step_rejected = false;  ///< the optional safeguard, or non-finite / out-of-range keys, undid a key step
   bool value_step_rejected = false;  ///< a value step failed or gave non-finite / out-of-range values: kept V⁰
+  double lambda_v = std::numeric_limits<double>::quiet_NaN();  ///< λ of the last value step run (holdout: chosen)
+  double key_step_length = std::numeric_limits<double>::quiet_NaN();  ///< holdout: of the last key step (0 = undone)
 };
 
 /// Everything a scorer may read about KV head `head`: the layer, the window attention mass and, on

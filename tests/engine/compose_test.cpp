@@ -173,7 +173,18 @@ TEST_CASE("a composition no preset has equals the same policies composed at comp
     r.lambda = 0.3;
     KNormRidge::Arguments b;
     b.merger.lambda_v = b.merger.lambda_k = 0.3;
+    b.merger.lambda_mode = kvc::RidgeMerge::Arguments::LambdaMode::fixed;  // --lambda: the papers' fixed λ
     kvc::test::check_identical(run("knorm", r, f.view(), kRatio), KNormRidge(b).run(f.view(), kRatio.budget));
+    r.lambda_mode = "holdout";  // named explicitly, the mode stays; --lambda then sets λ_k
+    r.holdout_every = 3;
+    b.merger.lambda_mode = kvc::RidgeMerge::Arguments::LambdaMode::holdout;
+    b.merger.holdout_every = 3;
+    kvc::test::check_identical(run("knorm", r, f.view(), kRatio), KNormRidge(b).run(f.view(), kRatio.budget));
+    r.lambda_mode = "gcv";
+    CHECK_THROWS_WITH(run("knorm", r, f.view(), kRatio), Catch::Contains("--lambda-mode must be fixed or holdout, got 'gcv'"));
+    MethodOptions every = swap({}, "soft-gate");
+    every.holdout_every = 2;
+    CHECK_THROWS_WITH(run("selkv", every, f.view(), kRatio), Catch::Contains("--holdout-every does not apply"));
   }
 }
 

@@ -8,9 +8,11 @@
 #include "support/ridge_reference.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <iostream>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -70,6 +72,14 @@ Mat to_mat(const RowMatrix<Real>& M) {
   return M.template cast<double>();
 }
 std::vector<Index> to_index(const std::vector<long>& v) { return {v.begin(), v.end()}; }
+
+/// The papers' setting (and this library's default before the holdout mode): fixed λ, no safeguard.
+kvc::RidgeMerge::Arguments fixed_args() {
+  kvc::RidgeMerge::Arguments args;
+  args.lambda_mode = kvc::RidgeMerge::Arguments::LambdaMode::fixed;
+  args.safeguard = false;
+  return args;
+}
 
 Mat gather(const Mat& full, const std::vector<long>& rows) {
   Mat out(static_cast<Index>(rows.size()), full.cols());
@@ -521,7 +531,7 @@ PolicyRun<kvc::compute_t<T>> run_policy(const Layer<T>& layer, long g, long m,
 template <class T>
 void oracle(const Layer<T>& layer, long g, const std::vector<long>& kept, const std::vector<long>& free,
             const kvc::AttentionArguments& attention, const kvc::RidgeMerge::Arguments& args, Mat& K, Mat& V,
-            double& error_before, double& error_after) {
+            double& error_before, double& error_after, ref::HoldoutDecisions* decisions = nullptr) {
   const long n = layer.n, W = layer.W, G = layer.G;
   const double scale = attention.resolved_scale(layer.d);
   std::vector<long> visible_full;
@@ -534,9 +544,17 @@ void oracle(const Layer<T>& layer, long g, const std::vector<long>& kept, const 
   K = gather(layer.K[static_cast<std::size_t>(g)], kept);
   V = gather(layer.V[static_cast<std::size_t>(g)], kept);
   error_before = ref::window_error(Qg, K, V, visible, scale, attention.softcap, Y);
-  ref::regress(Qg, Y, visible, scale, attention.softcap, free, args.lambda_v, args.lambda_k, args.steps,
-               args.order == kvc::RidgeMerge::Arguments::Order::value_then_key, args.value_step, args.key_step, K,
-               V);
+  const bool value_first = args.order == kvc::RidgeMerge::Arguments::Order::value_then_key;
+  if (args.lambda_mode == kvc::RidgeMerge::Arguments::LambdaMode::holdout && W >= 2) {
+    const ref::HoldoutDecisions dec = ref::regress_holdout(
+        Qg, Y, visible, scale, attention.softcap, free, {args.lambda_grid.begin(), args.lambda_grid.end()},
+        args.lambda_k, args.steps, value_first, args.value_step, args.key_step, W, G, args.holdout_every,
+        args.safeguard, K, V);
+    if (decisions) *decisions = dec;
+  } else {
+    ref::regress(Qg, Y, visible, scale, attention.softcap, free, args.lambda_v, args.lambda_k, args.steps,
+                 value_first, args.value_step, args.key_step, K, V);
+  }
   error_after = ref::window_error(Qg, K, V, visible, scale, attention.softcap, Y);
 }
 
@@ -589,7 +607,7 @@ TEMPLATE_TEST_CASE("RidgeMerge matches the oracle on random layers", "[ridge][po
                            Config{"key->value, 2 steps", 0.0, 2, Order::key_then_value, 1e-1}}) {
     kvc::AttentionArguments attention;
     attention.softcap = cfg.softcap;
-    kvc::RidgeMerge::Arguments args;
+    kvc::RidgeMerge::Arguments args = fixed_args();
     args.lambda_v = args.lambda_k = cfg.lambda;
     args.steps = cfg.steps;
     args.order = cfg.order;
@@ -672,7 +690,7 @@ TEMPLATE_TEST_CASE("RidgeMerge: identity cases and the window objective", "[ridg
     CHECK(run.out.diagnostics.cg_status == kvc::SolverStatus::not_run);
   }
   SECTION("the value step alone never increases the window error") {
-    kvc::RidgeMerge::Arguments args;
+    kvc::RidgeMerge::Arguments args = fixed_args();
     args.key_step = false;
     for (long g = 0; g < layer.Hkv; ++g)
       for (long m : {12L, 20L, 30L}) {
@@ -688,7 +706,7 @@ TEMPLATE_TEST_CASE("RidgeMerge: identity cases and the window objective", "[ridg
       }
   }
   SECTION("with the safeguard the key step never increases the window error") {
-    kvc::RidgeMerge::Arguments args;
+    kvc::RidgeMerge::Arguments args = fixed_args();
     args.safeguard = true;
     args.lambda_k = 1e-4;  // small λ: the linearised step may overshoot
     // S = 1: the value step cannot increase the error and the safeguarded key step only lowers it.
@@ -726,12 +744,19 @@ TEST_CASE("RidgeMerge::validate rejects bad arguments without throwing", "[ridge
   CHECK_FALSE(status([](A& a) { a.sinks = -1; }).is_ok());
   CHECK_FALSE(status([](A& a) { a.cg_tolerance = -1e-6; }).is_ok());
   CHECK_FALSE(status([](A& a) { a.cg_max_iterations = -1; }).is_ok());
+  CHECK_FALSE(status([](A& a) { a.lambda_mode = static_cast<A::LambdaMode>(7); }).is_ok());
+  CHECK_FALSE(status([](A& a) { a.lambda_grid[2] = 0.0; }).is_ok());
+  CHECK_FALSE(status([](A& a) { a.lambda_grid[0] = std::numeric_limits<double>::infinity(); }).is_ok());
+  CHECK_FALSE(status([](A& a) { a.holdout_every = 1; }).is_ok());
+  CHECK(status([](A& a) { a.lambda_grid[3] = -1.0; }).message().find("lambda_grid[3]") != std::string::npos);
+  CHECK(status([](A& a) { a.holdout_every = 0; }).message().find("holdout_every") != std::string::npos);
+  CHECK(status([](A& a) { a.lambda_mode = A::LambdaMode::fixed; }).is_ok());
   const auto message = status([](A& a) { a.lambda_v = -2; }).message();
   CHECK(message.find("lambda_v") != std::string::npos);
   kvc::RidgeMerge merger;
   CHECK_FALSE(merger.validate(0, 10).is_ok());
   CHECK_FALSE(merger.validate(10, 0).is_ok());
-  // Defaults are the SPEC's.
+  // Defaults are the SPEC's, but for the λ rule (issue 28: holdout with the safeguard).
   CHECK(merger.args.lambda_v == 1e-2);
   CHECK(merger.args.lambda_k == 1e-2);
   CHECK(merger.args.beta == 0.1);
@@ -740,5 +765,208 @@ TEST_CASE("RidgeMerge::validate rejects bad arguments without throwing", "[ridge
   CHECK(merger.args.order == A::Order::value_then_key);
   CHECK(merger.args.cg_tolerance == 1e-6);
   CHECK(merger.args.cg_max_iterations == 100);
-  CHECK_FALSE(merger.args.safeguard);
+  CHECK(merger.args.lambda_mode == A::LambdaMode::holdout);
+  CHECK(merger.args.lambda_grid == std::array<double, 4>{1e-3, 1e-2, 1e-1, 1.0});
+  CHECK(merger.args.holdout_every == 4);
+  CHECK(merger.args.safeguard);
+}
+
+// =================================================================================================
+// λ chosen on held-out window rows, and the safeguard (lambda_mode = holdout, the default)
+// =================================================================================================
+
+namespace {
+
+/// ‖Y_C − f_C(K, V)‖ on the check rows of head g, in double from the stored numbers.
+template <class T>
+double check_error(const Layer<T>& layer, long g, const std::vector<long>& kept,
+                   const kvc::AttentionArguments& attention, Index every, const Mat& K, const Mat& V) {
+  const long n = layer.n, W = layer.W, G = layer.G;
+  const double scale = attention.resolved_scale(layer.d);
+  std::vector<long> visible_full;
+  for (long h = 0; h < G; ++h)
+    for (long i = 0; i < W; ++i) visible_full.push_back(n - W + i + 1);
+  const Mat& Qg = layer.Q[static_cast<std::size_t>(g)];
+  const Mat Y = ref::outputs(Qg, layer.K[static_cast<std::size_t>(g)], layer.V[static_cast<std::size_t>(g)],
+                             visible_full, scale, attention.softcap);
+  std::vector<long> fit, chk;
+  ref::holdout_rows(W, G, every, fit, chk);
+  const std::vector<long> visible = ref::visible_counts(kept, n, W, G);
+  return (ref::rows_of(Y, chk) - ref::outputs(ref::rows_of(Qg, chk), K, V, ref::rows_of(visible, chk), scale,
+                                              attention.softcap))
+      .norm();
+}
+
+}  // namespace
+
+TEST_CASE("holdout_rows matches the oracle", "[ridge]") {
+  for (long W : {1L, 2L, 3L, 4L, 5L, 8L, 32L})
+    for (long G : {1L, 2L, 4L})
+      for (long every : {2L, 3L, 4L, 40L}) {
+        INFO("W " << W << " G " << G << " every " << every);
+        std::vector<long> fit, chk;
+        ref::holdout_rows(W, G, every, fit, chk);
+        std::vector<Index> lib_fit, lib_chk;
+        kvc::ridge::holdout_rows(W, G, every, lib_fit, lib_chk);
+        CHECK(lib_fit == to_index(fit));
+        CHECK(lib_chk == to_index(chk));
+        CHECK(chk.empty() == (W < 2));
+        CHECK(static_cast<long>(fit.size() + chk.size()) == (W < 2 ? 0 : G * W));
+        if (W >= 2) {
+          CHECK(std::find(chk.begin(), chk.end(), W - 1) != chk.end());  // the last position is checked
+          CHECK_FALSE(fit.empty());
+        }
+      }
+}
+
+TEMPLATE_TEST_CASE("RidgeMerge holdout: the chosen λ, the decisions and the result match the oracle",
+                   "[ridge][policy]", float, double) {
+  using T = TestType;
+  using Real = kvc::compute_t<T>;
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(303);
+  const Layer<T> layer(rng, /*Hkv=*/3, /*G=*/2, /*n=*/64, /*W=*/8, /*d=*/16, /*key_sigma=*/2.0);
+  struct Config { const char* name; double softcap; bool safeguard; double lambda_k; Index every; double grid_scale; };
+  std::array<int, 4> lambda_seen{};  // how often each grid index was chosen
+  int value_kept = 0, key_kept = 0, value_undone = 0, key_undone = 0;
+  for (const Config cfg : {Config{"default", 0.0, true, 1e-2, 4, 1.0}, Config{"no safeguard", 0.0, false, 1e-2, 4, 1.0},
+                           Config{"soft-cap 4, every 2", 4.0, true, 1e-1, 2, 1.0},
+                           Config{"tiny lambdas", 0.0, true, 1e-5, 3, 1e-6}}) {
+    kvc::AttentionArguments attention;
+    attention.softcap = cfg.softcap;
+    kvc::RidgeMerge::Arguments args;
+    args.safeguard = cfg.safeguard;
+    args.lambda_k = cfg.lambda_k;
+    args.holdout_every = cfg.every;
+    for (double& lambda : args.lambda_grid) lambda *= cfg.grid_scale;
+    args.cg_tolerance = Tol<Real>::cg_tolerance;
+    args.cg_max_iterations = 5000;
+    for (long g = 0; g < layer.Hkv; ++g)
+      for (long m : {20L, 32L}) {
+        INFO(cfg.name << ", head " << g << ", m " << m);
+        const auto run = run_policy(layer, g, m, attention, args);
+        REQUIRE(run.free.size() > 0);
+        Mat K_ref, V_ref;
+        double before_ref = 0, after_ref = 0;
+        ref::HoldoutDecisions dec;
+        oracle(layer, g, run.kept, run.free, attention, args, K_ref, V_ref, before_ref, after_ref, &dec);
+        const auto& diag = run.out.diagnostics;
+        CHECK(diag.lambda_v == dec.lambda_v);
+        CHECK(diag.value_step_rejected == dec.value_rejected);
+        CHECK(diag.key_step_length == dec.key_length);
+        CHECK(diag.key_step_rejected == dec.key_rejected);
+        for (std::size_t i = 0; i < 4; ++i) lambda_seen[i] += diag.lambda_v == args.lambda_grid[i];
+        value_kept += !diag.value_step_rejected;
+        key_kept += !diag.key_step_rejected;
+        value_undone += diag.value_step_rejected;
+        key_undone += diag.key_step_rejected;
+        if (dec.value_rejected)
+          CHECK((to_mat(run.out.values).array() == run.V0.array()).all());
+        else
+          CHECK(rel(to_mat(run.out.values) - run.V0, V_ref - run.V0) <=
+                std::max(Tol<Real>::value_step, Tol<Real>::key_step));
+        if (dec.key_rejected)
+          CHECK((to_mat(run.out.keys).array() == run.K0.array()).all());
+        else
+          CHECK(rel(to_mat(run.out.keys) - run.K0, K_ref - run.K0) <= Tol<Real>::key_step);
+        CHECK(diag.window_error_before == Approx(before_ref).epsilon(10 * Tol<Real>::window));
+        CHECK(diag.window_error_after == Approx(after_ref).epsilon(Tol<Real>::key_step));
+        CHECK(diag.cg_status == kvc::SolverStatus::converged);
+      }
+  }
+  // The cases exercise the choice: more than one λ wins, and steps are kept as well as undone.
+  INFO("grid choices " << lambda_seen[0] << " " << lambda_seen[1] << " " << lambda_seen[2] << " " << lambda_seen[3]
+                       << ", value steps undone " << value_undone << ", key steps undone " << key_undone);
+  CHECK(std::count_if(lambda_seen.begin(), lambda_seen.end(), [](int c) { return c > 0; }) >= 2);
+  CHECK(value_kept > 0);
+  CHECK(key_kept > 0);
+  CHECK(key_undone > 0);
+}
+
+TEMPLATE_TEST_CASE("RidgeMerge holdout with the safeguard never leaves a larger check error than the eviction",
+                   "[ridge][policy]", float, double, Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  using Real = kvc::compute_t<T>;
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(304);
+  // Relative slack on the comparison: the merger compares check errors evaluated in Real.
+  const double slack = std::is_same_v<Real, double> ? 1e-12 : 1e-5;
+  struct Config { const char* name; double key_sigma; double lambda_k; std::array<double, 4> grid; };
+  const Config configs[] = {
+      {"random", 2.0, 1e-2, {1e-3, 1e-2, 1e-1, 1.0}},
+      // Adversarial: sharp attention, λ far too small for both steps: unguarded steps overshoot.
+      {"tiny lambdas, sharp keys", 4.0, 1e-7, {1e-9, 1e-8, 1e-7, 1e-6}},
+  };
+  int worse_without = 0;
+  for (const Config& cfg : configs)
+    for (long W : {2L, 5L, 8L}) {
+      const Layer<T> layer(rng, 3, 2, 48, W, 8, cfg.key_sigma);
+      const kvc::AttentionArguments attention;
+      for (long g = 0; g < layer.Hkv; ++g)
+        for (long m : {W + 6, W + 14, W + 24}) {
+          INFO(cfg.name << ", W " << W << ", head " << g << ", m " << m);
+          kvc::RidgeMerge::Arguments args;
+          args.lambda_k = cfg.lambda_k;
+          args.lambda_grid = cfg.grid;
+          const auto run = run_policy(layer, g, m, attention, args);
+          const double evicted = check_error(layer, g, run.kept, attention, args.holdout_every, run.K0, run.V0);
+          const double merged = check_error(layer, g, run.kept, attention, args.holdout_every,
+                                            to_mat(run.out.keys), to_mat(run.out.values));
+          CHECK(std::isfinite(merged));
+          CHECK(merged <= evicted * (1 + slack));
+          args.safeguard = false;
+          const auto unguarded = run_policy(layer, g, m, attention, args);
+          worse_without += check_error(layer, g, run.kept, attention, args.holdout_every,
+                                       to_mat(unguarded.out.keys), to_mat(unguarded.out.values)) >
+                           evicted * (1 + 1e-3);
+        }
+    }
+  // The adversarial heads are adversarial: without the safeguard some end worse than the eviction.
+  CHECK(worse_without > 0);
+}
+
+TEMPLATE_TEST_CASE("RidgeMerge holdout edge cases", "[ridge][policy]", float, double) {
+  using T = TestType;
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(305);
+  const kvc::AttentionArguments attention;
+  SECTION("W = 1 has no check row: the fixed λ with the whole-window safeguard, bit for bit") {
+    const Layer<T> layer(rng, 2, 2, 40, 1, 8, 2.0);
+    for (bool safeguard : {false, true}) {
+      kvc::RidgeMerge::Arguments holdout;
+      holdout.safeguard = safeguard;
+      kvc::RidgeMerge::Arguments fixed = fixed_args();
+      fixed.safeguard = safeguard;
+      for (long g = 0; g < layer.Hkv; ++g) {
+        INFO("safeguard " << safeguard << " head " << g);
+        const auto a = run_policy(layer, g, 16, attention, holdout);
+        const auto b = run_policy(layer, g, 16, attention, fixed);
+        REQUIRE(a.free.size() > 0);
+        CHECK((a.out.keys.array() == b.out.keys.array()).all());
+        CHECK((a.out.values.array() == b.out.values.array()).all());
+        CHECK(a.out.diagnostics.lambda_v == fixed.lambda_v);
+      }
+    }
+  }
+  SECTION("zero values: nothing to fit, nothing moves") {
+    Layer<T> layer(rng, 1, 2, 40, 8, 8, 2.0);
+    std::fill(layer.v.begin(), layer.v.end(), kvc::from_real<T>(0.0f));
+    for (Mat& V : layer.V) V.setZero();
+    const auto run = run_policy(layer, 0, 20, attention, kvc::RidgeMerge::Arguments{});
+    CHECK((to_mat(run.out.values).array() == 0.0).all());
+    CHECK((to_mat(run.out.keys).array() == run.K0.array()).all());
+    CHECK(run.out.diagnostics.window_error_after == 0.0);
+  }
+  SECTION("one free entry, and m = n") {
+    const Layer<T> layer(rng, 1, 2, 40, 8, 8, 2.0);
+    kvc::RidgeMerge::Arguments args;
+    args.beta = 0.0;
+    const auto one = run_policy(layer, 0, 13, attention, args);  // 4 sinks + 8 window + 1 free
+    CHECK(one.free.size() == 1);
+    CHECK(one.out.keys.allFinite());
+    CHECK(one.out.values.allFinite());
+    const auto all = run_policy(layer, 0, 40, attention, args);
+    CHECK((to_mat(all.out.keys).array() == all.K0.array()).all());
+    CHECK((to_mat(all.out.values).array() == all.V0.array()).all());
+  }
 }

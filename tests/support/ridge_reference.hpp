@@ -242,4 +242,106 @@ inline void regress(const Mat& Q, const Mat& Y, const std::vector<long>& visible
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// λ chosen on held-out window rows, and the safeguard (RidgeMerge lambda_mode = holdout).
+// ---------------------------------------------------------------------------------------------------
+
+/// Window position i of each of the G query heads (row h·W + i) is a check row when W − 1 − i is a
+/// multiple of `every`; every other row is a fit row. W < 2: no check rows.
+inline void holdout_rows(long W, long G, long every, std::vector<long>& fit, std::vector<long>& check) {
+  fit.clear();
+  check.clear();
+  if (W < 2) return;
+  for (long h = 0; h < G; ++h)
+    for (long i = 0; i < W; ++i) {
+      const long r = h * W + i;
+      if ((W - 1 - i) % every == 0)
+        check.push_back(r);
+      else
+        fit.push_back(r);
+    }
+}
+
+inline Mat rows_of(const Mat& M, const std::vector<long>& rows) {
+  Mat out(static_cast<long>(rows.size()), M.cols());
+  for (std::size_t k = 0; k < rows.size(); ++k) out.row(static_cast<long>(k)) = M.row(rows[k]);
+  return out;
+}
+inline std::vector<long> rows_of(const std::vector<long>& v, const std::vector<long>& rows) {
+  std::vector<long> out;
+  for (long r : rows) out.push_back(v[static_cast<std::size_t>(r)]);
+  return out;
+}
+
+/// What the holdout regression decided (the last value / key step).
+struct HoldoutDecisions {
+  double lambda_v = std::numeric_limits<double>::quiet_NaN();
+  bool value_rejected = false;
+  double key_length = std::numeric_limits<double>::quiet_NaN();  // 0 = undone
+  bool key_rejected = false;
+};
+
+/// The holdout regression, from its definition: each step is fitted on the fit rows only. Value step:
+/// for every λ of `grid` the primal value step on the fit rows gives V(λ); the λ whose V(λ) has the
+/// smallest check error ‖Y_C − f_C(K, V(λ))‖ wins (ties to the later, larger λ). Key step: the dense
+/// key step on the fit rows gives K¹; of K + t (K¹ − K), t = 1, 1/2, 1/4, the smallest check error
+/// wins (ties to the earlier t). With `safeguard` a step whose check error is not below the one before
+/// the step is undone. K, V in/out.
+inline HoldoutDecisions regress_holdout(const Mat& Q, const Mat& Y, const std::vector<long>& visible, double scale,
+                                        double softcap, const std::vector<long>& free,
+                                        const std::vector<double>& grid, double lambda_k, long steps,
+                                        bool value_first, bool value_on, bool key_on, long W, long G, long every,
+                                        bool safeguard, Mat& K, Mat& V) {
+  std::vector<long> fit, chk;
+  holdout_rows(W, G, every, fit, chk);
+  check(!chk.empty(), "regress_holdout needs W >= 2");
+  const Mat QF = rows_of(Q, fit), YF = rows_of(Y, fit), QC = rows_of(Q, chk), YC = rows_of(Y, chk);
+  const std::vector<long> visF = rows_of(visible, fit), visC = rows_of(visible, chk);
+  const auto check_error = [&](const Mat& Kx, const Mat& Vx) {
+    return (YC - outputs(QC, Kx, Vx, visC, scale, softcap)).norm();
+  };
+  HoldoutDecisions dec;
+  const Mat K0 = K, V0 = V;
+  for (long s = 0; s < steps; ++s)
+    for (int phase = 0; phase < 2; ++phase) {
+      const bool value_phase = (phase == 0) == value_first;
+      if (value_phase && value_on) {
+        const Mat XF = probabilities(QF, K, visF, scale, softcap);
+        double best = std::numeric_limits<double>::infinity();
+        Mat best_V;
+        for (double lambda : grid) {
+          const Mat Vl = value_step_primal(XF, V0, YF, free, lambda);
+          const double e = check_error(K, Vl);
+          if (e <= best) {
+            best = e;
+            best_V = Vl;
+            dec.lambda_v = lambda;
+          }
+        }
+        dec.value_rejected = safeguard && !(best < check_error(K, V));
+        if (!dec.value_rejected) V = best_V;
+      }
+      if (!value_phase && key_on) {
+        const Mat K1 = key_step(QF, K, K0, V, YF, visF, scale, softcap, free, lambda_k);
+        double best = std::numeric_limits<double>::infinity();
+        Mat best_K;
+        for (double t : {1.0, 0.5, 0.25}) {
+          const Mat Kt = K + t * (K1 - K);
+          const double e = check_error(Kt, V);
+          if (e < best) {
+            best = e;
+            best_K = Kt;
+            dec.key_length = t;
+          }
+        }
+        dec.key_rejected = safeguard && !(best < check_error(K, V));
+        if (dec.key_rejected)
+          dec.key_length = 0.0;
+        else
+          K = best_K;
+      }
+    }
+  return dec;
+}
+
 }  // namespace kvc::ref::ridge

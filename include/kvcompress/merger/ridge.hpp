@@ -11,6 +11,7 @@
 #include "kvcompress/policy.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -25,9 +26,12 @@ namespace kvc {
 ///   value step (closed form):  V_U ← argmin_Z ‖Y − X_F V_F − X_U Z‖² + λ_v ‖Z − V_U⁰‖²
 ///   key step (one linearised): K_U ← argmin_Z ‖Y − f(K) − J (Z − K_U)‖² + λ_k ‖Z − K_U⁰‖²
 ///
-/// with X = masked softmax(s·Qw K_Sᵀ) over the kept set S and f(K) = X·V. The fixed entries F
-/// (sinks, window positions, the top ⌈β·|S \ window|⌉ non-window entries by score) come out
-/// bit-identical. The building blocks are the free functions in `kvc::ridge` below.
+/// with X = masked softmax(s·Qw K_Sᵀ) over the kept set S and f(K) = X·V. By default
+/// (lambda_mode = holdout, our extension) both steps are fitted on three quarters of the window rows:
+/// λ_v and the key step's length are chosen per head by the error on the other quarter, and a step
+/// that does not lower it is undone (ridge::regress_holdout). lambda_mode = fixed is the papers' λ.
+/// The fixed entries F (sinks, window positions, the top ⌈β·|S \ window|⌉ non-window entries by
+/// score) come out bit-identical. The building blocks are the free functions in `kvc::ridge` below.
 ///
 /// Cost per head and step, R = G·W rows, m kept, u = |U|, d head dimension:
 ///   value step O(R²·u + R³ + R·m·d); key step O(R·m·d) to linearise plus, per CG iteration, one JVP and
@@ -44,7 +48,7 @@ struct RidgeMerge {
   };
 
   struct Arguments {
-    double lambda_v = 1e-2;  ///< ridge weight of the value step (> 0)
+    double lambda_v = 1e-2;  ///< ridge weight of the value step (> 0; lambda_mode fixed)
     double lambda_k = 1e-2;  ///< ridge weight of the key step (> 0)
     double beta = 0.1;       ///< share of kept non-window entries fixed by score, in [0, 1]
     Index sinks = 4;         ///< kept positions < sinks are fixed
@@ -54,7 +58,16 @@ struct RidgeMerge {
     bool key_step = true;
     double cg_tolerance = 1e-6;       ///< relative residual of the key-step CG
     Index cg_max_iterations = 100;    ///< CG iteration budget per key step
-    bool safeguard = false;  ///< keep a key step only if it lowers ‖Y − f(K)‖ (our extension)
+    /// How λ_v is set (our extension). `fixed`: lambda_v, every window row fitted (the papers'
+    /// setting). `holdout`: the window rows are split into fit and check rows (holdout_every); λ_v is
+    /// the value of lambda_grid whose value step, fitted on the fit rows, leaves the smallest error on
+    /// the check rows, and the key step's length is chosen from {1, 1/2, 1/4} the same way.
+    enum class LambdaMode { fixed, holdout } lambda_mode = LambdaMode::holdout;
+    std::array<double, 4> lambda_grid = {1e-3, 1e-2, 1e-1, 1.0};  ///< holdout: λ_v candidates (> 0)
+    Index holdout_every = 4;  ///< holdout: every k-th window position, counting back from the last, is checked
+    /// holdout: keep a value or key step only if it lowers the check rows' error ‖Y_C − f_C‖; fixed: keep
+    /// a key step only if it lowers the whole window's error ‖Y − f(K)‖.
+    bool safeguard = true;
   };
 
   Arguments args;
@@ -85,6 +98,7 @@ struct Attention {
   double scale = 1.0;
   double softcap = 0.0;  ///< 0 = off
   std::vector<double> bias{};  ///< (m) or empty
+  Index window = 0;  ///< W: the rows are G·W, row r at window position r % W; 0 = one query head (W = R)
 };
 
 /// (G·W) causal prefix lengths: row r = local_head·W + i sits at position p_i = n − W + i and sees the
@@ -586,6 +600,257 @@ inline int severity(SolverStatus s) {
 }
 }  // namespace detail
 
+/// The holdout split of the G·W stacked window rows (row r = h·W + i): window position i is a check
+/// row when (W − 1 − i) % every == 0, so the last position is always checked; the rest are fit rows.
+/// Both lists ascend. W < 2 (or every < 2) leaves no fit row beside a check row: `check` is empty.
+inline void holdout_rows(Index W, Index G, Index every, std::vector<Index>& fit, std::vector<Index>& check) {
+  fit.clear();
+  check.clear();
+  if (W < 2 || every < 2) return;
+  for (Index r = 0; r < G * W; ++r) ((W - 1 - r % W) % every == 0 ? check : fit).push_back(r);
+}
+
+namespace detail {
+/// Rows `rows` of M.
+template <class Real>
+RowMatrix<Real> take_rows(const RowMatrix<Real>& M, const std::vector<Index>& rows) {
+  RowMatrix<Real> out(static_cast<Index>(rows.size()), M.cols());
+  for (std::size_t k = 0; k < rows.size(); ++k) out.row(static_cast<Index>(k)) = M.row(rows[k]);
+  return out;
+}
+
+inline Attention take_rows(const Attention& att, const std::vector<Index>& rows) {
+  Attention out = att;
+  out.visible.resize(rows.size());
+  for (std::size_t k = 0; k < rows.size(); ++k) out.visible[k] = att.visible[static_cast<std::size_t>(rows[k])];
+  return out;
+}
+
+}  // namespace detail
+
+/// regress() with lambda_mode = holdout (fit / check split from holdout_rows, `check` not empty).
+/// Value step, with Z_F = Y_F − X_F V⁰ and Z_C = Y_C − X_C V⁰: for each λ of lambda_grid the value step
+/// on the fit rows, ΔV_U(λ) = (X_FUᵀ X_FU + λ I)⁻¹ X_FUᵀ Z_F = X_FUᵀ (X_FU X_FUᵀ + λ I)⁻¹ Z_F (primal
+/// when u < R_F, else dual), and its check residual Z_C − X_CU ΔV_U(λ); the λ with the smallest
+/// residual norm is taken (ties to the larger λ) and V_U ← V_U⁰ + ΔV_U(λ). One Gram matrix serves the
+/// grid. Key step: the key step of SPEC §9 on the fit rows (CG at lambda_k) gives K¹; of
+/// K + t·(K¹ − K), t ∈ {1, 1/2, 1/4}, the smallest check error is taken (ties to the longer step).
+/// With `safeguard` a step whose check error ‖Y_C − X_C(K) V‖ is not below the one before it is
+/// undone (value_step_rejected / key_step_rejected, key_step_length 0); so the check error after the
+/// merge never exceeds the eviction's. Check errors are formed in double.
+///
+/// Cost against the fixed mode (value then key, S = 1): the fixed mode's products on the R_F fit rows
+/// (CG included) and on the R_C = R − R_F check rows once more for Z_C, plus the check rows' outputs
+/// at the three key candidates (six R_C×m×d products) and |grid| Cholesky solves of size min(u, R_F).
+template <class Real>
+void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const Attention& att,
+                     const std::vector<Index>& free, const RidgeMerge::Arguments& args,
+                     const std::vector<Index>& fit_rows, const std::vector<Index>& check_rows, RowMatrix<Real>& K,
+                     RowMatrix<Real>& V, HeadDiagnostics& diag, Real limit) {
+  using Order = RidgeMerge::Arguments::Order;
+  const bool capped = att.softcap > 0.0;
+  const RowMatrix<Real> QF = detail::take_rows(Q, fit_rows), YF = detail::take_rows(Y, fit_rows);    // (R_F, d)
+  const RowMatrix<Real> QC = detail::take_rows(Q, check_rows), YC = detail::take_rows(Y, check_rows);  // (R_C, d)
+  const Attention attF = detail::take_rows(att, fit_rows), attC = detail::take_rows(att, check_rows);
+  const Eigen::MatrixXd YC_d = YC.template cast<double>();  // (R_C, d)
+  const Index RF = static_cast<Index>(fit_rows.size()), u = static_cast<Index>(free.size());
+  const double y_norm = Y.template cast<double>().norm();
+  const auto relative = [&](double err) { return y_norm > 0.0 ? err / y_norm : err; };
+  const auto residual = [&](const RowMatrix<Real>& XC_, const RowMatrix<Real>& V_) {  // Y_C − X_C V in double
+    return Eigen::MatrixXd(YC_d - XC_.template cast<double>() * V_.template cast<double>());
+  };
+
+  // Known at the current (K, V); invalidated when K or V changes.
+  RowMatrix<Real> XF, chainF, XFU, XC;  // (R_F, m), (R_F, m) capped only, (R_F, u), (R_C, m)
+  bool have_xf = false, have_xfu = false, have_xc = false;
+  RowMatrix<Real> fF;  // (R_F, d) X_F·V
+  Eigen::MatrixXd EF;  // (R_F, d) Y_F − f_F in double
+  bool have_f = false;
+  double check_err = 0.0;  // ‖Y_C − X_C V‖
+  bool have_check = false;
+  const auto ensure_xf = [&] {
+    if (have_xf) return;
+    probabilities(QF, K, attF, XF, capped ? &chainF : nullptr);
+    have_xf = true;
+    have_xfu = false;
+  };
+  const auto ensure_xfu = [&] {
+    ensure_xf();
+    if (!have_xfu) detail::gather_columns(XF, free, XFU);
+    have_xfu = true;
+  };
+  const auto ensure_f = [&] {
+    if (have_f) return;
+    ensure_xf();
+    fF.noalias() = XF * V;
+    EF = YF.template cast<double>() - fF.template cast<double>();
+    have_f = true;
+  };
+  const auto ensure_xc = [&] {
+    if (!have_xc) probabilities(QC, K, attC, XC);
+    have_xc = true;
+  };
+  const auto checked = [&] {
+    if (!have_check) {
+      ensure_xc();
+      check_err = residual(XC, V).norm();
+    }
+    have_check = true;
+    return check_err;
+  };
+  const auto whole_error = [&] {
+    ensure_f();
+    const double c = checked();
+    return relative(std::sqrt(EF.squaredNorm() + c * c));
+  };
+
+  const bool single = args.steps == 1;
+  RowMatrix<Real> K0_copy, V0_copy;
+  if (!single) {
+    K0_copy = K;
+    V0_copy = V;
+  }
+  const RowMatrix<Real>& K0 = single ? K : K0_copy;
+  const RowMatrix<Real>& V0 = single ? V : V0_copy;
+  bool before_pending = true;  // window_error_before not yet recorded (K = K⁰, V = V⁰)
+
+  const auto run_value_step = [&] {
+    ensure_xf();
+    ensure_xc();
+    const bool primal = u < RF;
+    Eigen::MatrixXd gram, ZF;  // (R_F, R_F) lower (dual only), (R_F, d)
+    detail::dual_system(XF, V0, YF, primal ? std::vector<Index>{} : free, 0.0, gram, ZF);
+    const Eigen::MatrixXd ZC = residual(XC, V0);  // (R_C, d)
+    const bool at_anchor = before_pending || &V == &V0;  // V = V⁰: Z_C is the check residual
+    if (before_pending) {
+      diag.window_error_before = relative(std::sqrt(ZF.squaredNorm() + ZC.squaredNorm()));
+      before_pending = false;
+    }
+    const double before = at_anchor ? ZC.norm() : checked();
+    const Eigen::MatrixXd XFU_d = detail::free_columns(XF, free), XCU_d = detail::free_columns(XC, free);
+    Eigen::MatrixXd N, B, P;  // primal: (u, u) lower, (u, d); dual: (R_C, R_F)
+    if (primal) {
+      N.setZero(u, u);
+      N.template selfadjointView<Eigen::Lower>().rankUpdate(XFU_d.transpose());
+      B = XFU_d.transpose() * ZF;
+    } else {
+      P = XCU_d * XFU_d.transpose();
+    }
+    Eigen::MatrixXd A, D, R, best_D;  // D: primal ΔV_U (u, d), dual S (R_F, d)
+    double best_lambda = 0.0, best = std::numeric_limits<double>::infinity();
+    for (const double lambda : args.lambda_grid) {
+      A = primal ? N : gram;
+      A.diagonal().array() += lambda;
+      D = primal ? B : ZF;
+      if (!linalg::solve_spd(A, D)) continue;
+      R = ZC;  // Z_C − X_CU ΔV_U(λ)
+      if (primal)
+        R.noalias() -= XCU_d * D;
+      else
+        R.noalias() -= P * D;
+      const double e = R.norm();
+      if (e <= best) {
+        best = e;
+        best_lambda = lambda;
+        best_D = D;
+      }
+    }
+    diag.lambda_v = best_lambda;
+    check_err = before;
+    have_check = true;
+    const bool reject = best_D.size() == 0 || (args.safeguard && !(best < before));
+    bool written = false;
+    if (!reject && primal) {
+      RowMatrix<Real> rows(u, V0.cols());  // (u, d) V_U⁰ + ΔV_U
+      for (Index k = 0; k < u; ++k)
+        rows.row(k) = (V0.row(free[static_cast<std::size_t>(k)]).template cast<double>() + best_D.row(k))
+                          .template cast<Real>();
+      written = (rows.array().abs() < limit).all();
+      if (written) {
+        if (&V != &V0) V = V0;
+        for (Index k = 0; k < u; ++k) V.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
+        EF = ZF - XFU_d * best_D;  // Y_F − X_F V
+      }
+    } else if (!reject) {
+      ensure_xfu();
+      written = detail::apply_value_update(XFU, best_D, V0, free, V, limit);
+      if (written) EF = best_lambda * best_D;  // Y_F − X_F V = λ S
+    }
+    if (!written) {  // nothing written: V kept
+      diag.value_step_rejected = true;
+      return;
+    }
+    fF = (YF.template cast<double>() - EF).template cast<Real>();
+    have_f = true;
+    check_err = best;
+  };
+
+  const auto run_key_step = [&] {
+    if (before_pending) {
+      diag.window_error_before = whole_error();
+      before_pending = false;
+    }
+    ensure_xfu();
+    ensure_f();
+    const double before = checked();
+    const RowMatrix<Real> K_prev = K;  // (m, d)
+    KeyStepReport rep;
+    bool finite = true;
+    {
+      have_xfu = false;
+      const KeyJacobian<Real> jac =
+          detail::jacobian_from(QF, std::move(XFU), capped ? &chainF : nullptr, V, fF, attF, free);
+      const RowMatrix<Real> e = EF.template cast<Real>();  // (R_F, d)
+      rep = detail::key_step_at(jac, e, K0, free, args.lambda_k, {args.cg_tolerance, args.cg_max_iterations}, K,
+                                &finite, limit);
+    }
+    diag.cg_iterations += rep.iterations;
+    diag.cg_residual = std::max(diag.cg_residual, rep.residual);
+    if (detail::severity(rep.status) > detail::severity(diag.cg_status)) diag.cg_status = rep.status;
+    diag.key_step_length = 0.0;
+    if (!finite || !K.allFinite()) {
+      K = K_prev;
+      diag.key_step_rejected = true;
+      return;
+    }
+    const RowMatrix<Real> K_full = K;  // (m, d) the full step
+    RowMatrix<Real> XC_try, XC_best;   // (R_C, m)
+    double best = std::numeric_limits<double>::infinity();
+    Real best_t = 0;
+    for (const Real t : {Real(1), Real(0.5), Real(0.25)}) {
+      for (const Index j : free) K.row(j) = K_prev.row(j) + t * (K_full.row(j) - K_prev.row(j));
+      probabilities(QC, K, attC, XC_try);
+      const double e = residual(XC_try, V).norm();
+      if (e < best) {
+        best = e;
+        best_t = t;
+        XC_best.swap(XC_try);
+      }
+    }
+    if (best_t == Real(0) || (args.safeguard && !(best < before))) {
+      K = K_prev;  // XC, check_err still describe K
+      diag.key_step_rejected = true;
+      return;
+    }
+    for (const Index j : free) K.row(j) = K_prev.row(j) + best_t * (K_full.row(j) - K_prev.row(j));
+    diag.key_step_length = static_cast<double>(best_t);
+    have_xf = have_xfu = have_f = false;
+    XC.swap(XC_best);
+    check_err = best;
+  };
+
+  for (Index step = 0; step < args.steps; ++step) {
+    if (args.order == Order::value_then_key) {
+      if (args.value_step) run_value_step();
+      if (args.key_step) run_key_step();
+    } else {
+      if (args.key_step) run_key_step();
+      if (args.value_step) run_value_step();
+    }
+  }
+  diag.window_error_after = whole_error();
+}
+
 /// The whole per-head regression on dense data: `steps` alternations of the value and key steps in
 /// `args.order`, anchored at the entry values K⁰ = K, V⁰ = V. Fills the ridge fields of `diag`:
 /// window errors before/after, cg_iterations (sum over key steps), cg_residual (largest), cg_status
@@ -593,7 +858,10 @@ inline int severity(SolverStatus s) {
 /// or a key step produced keys not below `limit` in magnitude and was undone), value_step_rejected (a
 /// value step's solve failed or produced values not below `limit`: V kept). `limit` is the magnitude
 /// from which an entry stops converting to a finite element of the cache's type (+Inf: any finite
-/// entry passes). An empty free set, steps = 0 or both steps off leave K and V untouched.
+/// entry passes). An empty free set, steps = 0 or both steps off leave K and V untouched. With
+/// args.lambda_mode = holdout and at least two window positions (att.window; 0 = Q.rows()) the work is
+/// regress_holdout's; below, the fixed λ, where `safeguard` keeps a key step only if it lowers the
+/// whole window error. diag.lambda_v: the λ of the last value step run.
 ///
 /// Nothing is evaluated twice: the probabilities X at the current keys (and their free columns) serve
 /// the window error, the value step and the key step's linearisation until the keys change; the value
@@ -656,10 +924,20 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
   };
   const auto keys_changed = [&] { have_x = have_xu = have_f = have_err = false; };
 
+  diag.lambda_v = diag.key_step_length = std::numeric_limits<double>::quiet_NaN();
   const bool active = !free.empty() && args.steps > 0 && (args.value_step || args.key_step);
   if (!active) {
     diag.window_error_before = diag.window_error_after = error();
     return;
+  }
+  if (args.lambda_mode == RidgeMerge::Arguments::LambdaMode::holdout) {
+    const Index W = att.window > 0 ? att.window : Q.rows();
+    std::vector<Index> fit_rows, check_rows;
+    holdout_rows(W, W > 0 ? Q.rows() / W : 0, args.holdout_every, fit_rows, check_rows);
+    if (!check_rows.empty()) {
+      regress_holdout(Q, Y, att, free, args, fit_rows, check_rows, K, V, diag, limit);
+      return;
+    }  // W < 2: no split, the fixed λ below with the whole-window safeguard
   }
 
   // Ridge anchors K⁰, V⁰ (m, d). With S = 1 each step runs once, before anything changed what it
@@ -681,6 +959,7 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
       diag.window_error_before = relative(Z.norm());
       before_pending = false;
     }
+    diag.lambda_v = args.lambda_v;
     if (linalg::solve_spd(gram, Z)) {  // Z ← (X_U X_Uᵀ + λ I)⁻¹ (Y − X V⁰)
       ensure_xu();
       if (detail::apply_value_update(XU, Z, V0, free, V, limit)) {
@@ -779,6 +1058,13 @@ inline Status RidgeMerge::validate(Index n, Index m) const {
     return bad("cg_tolerance", args.cg_tolerance, "finite and >= 0");
   if (args.cg_max_iterations < 0 || args.cg_max_iterations > 100000)
     return bad("cg_max_iterations", args.cg_max_iterations, "in [0, 100000]");
+  if (args.lambda_mode != Arguments::LambdaMode::fixed && args.lambda_mode != Arguments::LambdaMode::holdout)
+    return bad("lambda_mode", static_cast<int>(args.lambda_mode), "fixed or holdout");
+  for (std::size_t i = 0; i < args.lambda_grid.size(); ++i)
+    if (!(args.lambda_grid[i] > 0.0) || !std::isfinite(args.lambda_grid[i]))
+      return bad(concat("lambda_grid[", i, "]").c_str(), args.lambda_grid[i], "finite and > 0");
+  if (args.holdout_every < 2 || args.holdout_every > 1000000)
+    return bad("holdout_every", args.holdout_every, "in [2, 1000000]");
   return Status::ok();
 }
 
@@ -812,6 +1098,7 @@ void RidgeMerge::merge(const HeadContext<T>& ctx, const Routing& /*routing: unus
   att.visible = ridge::visible_counts(kept, n, W, G);
   att.scale = ctx.attention().resolved_scale(d);
   att.softcap = ctx.attention().softcap;
+  att.window = W;
   if (layer.biased()) {  // the kept entries' stored bias (Y above already includes every entry's)
     att.bias.resize(kept.size());
     for (std::size_t k = 0; k < kept.size(); ++k) att.bias[k] = static_cast<double>(ctx.entry_bias(kept[k]));

@@ -61,6 +61,50 @@ void check_against_reference(const Scorer& scorer, const ref::Tensor3& K, const 
   }
 }
 
+/// LagRelative's rank scores `got` from float arithmetic against the reference on the inputs k, v:
+/// the same scores (within the rounding of r/L to float), except that an entry of a scored partition may take the rank of another entry of
+/// that partition whose reference score (rank off) is within float tolerance of its own: float
+/// rounding decides the order of near-ties.
+void compare_lag_ranks(const Eigen::MatrixXd& got, const ref::Tensor3& k, const ref::Tensor3& v,
+                       const LagRelative::Arguments& args) {
+  const Eigen::MatrixXd rank = ref::lag_relative(k, v, args.sinks, args.lag, true);
+  const Eigen::MatrixXd score = ref::lag_relative(k, v, args.sinks, args.lag, false);
+  const long n = rank.cols(), s = std::min<long>(args.sinks, n), L = args.lag;
+  REQUIRE(got.rows() == rank.rows());
+  REQUIRE(got.cols() == n);
+  for (long g = 0; g < rank.rows(); ++g)
+    for (long j = 0; j < n; ++j) {
+      const kvc::test::Tol& tol = kTol.float_vs_double.mass;  // a rank r/L rounded to float
+      if (kvc::test::within(got(g, j), rank(g, j), tol)) continue;
+      INFO("head " << g << " entry " << j << " score " << got(g, j) << " reference " << rank(g, j));
+      REQUIRE(j >= s);
+      const long lo = s + (j - s) / L * L, hi = std::min(lo + L, n);
+      long i = lo;
+      while (i < hi && !kvc::test::within(got(g, j), rank(g, i), tol)) ++i;
+      REQUIRE(i < hi);  // a rank of j's own partition
+      CHECK(kvc::test::within(score(g, i), score(g, j), tol));
+    }
+}
+
+/// LagRelative with `rank` on, in every storage type and both layouts, against the reference: double
+/// storage exactly, float, half and bfloat16 (float arithmetic; half and bfloat16 against the
+/// reference on their rounded inputs) by compare_lag_ranks.
+void check_lag_ranks(const LagRelative::Arguments& args, const ref::Tensor3& K, const ref::Tensor3& V,
+                     const ref::Tensor3& Q) {
+  const LagRelative scorer{args};
+  for (Layout layout : {Layout::head_major, Layout::token_major}) {
+    INFO("layout " << kvc::test::to_string(layout));
+    kvc::test::LayerBuffers<double> dd(K, V, Q, layout);
+    CHECK(scores_of(scorer, dd.view()) == ref::lag_relative(K, V, args.sinks, args.lag, true));
+    kvc::test::LayerBuffers<float> f(K, V, Q, layout);
+    compare_lag_ranks(scores_of(scorer, f.view()), K, V, args);
+    kvc::test::LayerBuffers<Eigen::half> h(K, V, Q, layout);
+    compare_lag_ranks(scores_of(scorer, h.view()), h.keys.rounded(), h.values.rounded(), args);
+    kvc::test::LayerBuffers<Eigen::bfloat16> b(K, V, Q, layout);
+    compare_lag_ranks(scores_of(scorer, b.view()), b.keys.rounded(), b.values.rounded(), args);
+  }
+}
+
 ref::Tensor3 scaled(ref::Tensor3 t, double a) {
   for (double& x : t.data) x *= a;
   return t;
@@ -123,16 +167,59 @@ TEST_CASE("LagRelative (LagKV) scores: partitions against their successor, then 
                                             LagRelative::Arguments{}}) {
     const long s = args.sinks, L = args.lag;
     for (long n : {1L, s + 1, s + 2 * L - 1, s + 2 * L, s + 2 * L + 3, s + 5 * L + 7, 300L}) {
-      for (long d : {1L, 3L, 16L}) {
+      for (long d : {1L, 3L, 16L, 35L}) {
         INFO("sinks " << s << " lag " << L << " rank " << args.rank << " n " << n << " d " << d);
         ref::Tensor3 K = kvc::test::random_tensor(rng, 2, n, d), V = kvc::test::random_tensor(rng, 2, n, d);
         const ref::Tensor3 Q = kvc::test::random_tensor(rng, 2, 1, d);
         if (n > s + 2 * L)  // a channel constant over a reference partition: x̂ = 0, not 0/0
           for (long j = s + L; j < s + 2 * L; ++j) K.at(1, j, 0) = 0.5;
-        check_against_reference(LagRelative{args}, K, V, Q, [&](const ref::Tensor3& k, const ref::Tensor3& v) {
-          return ref::lag_relative(k, v, args.sinks, args.lag, args.rank);
-        });
+        if (args.rank) {
+          check_lag_ranks(args, K, V, Q);
+        } else {
+          check_against_reference(LagRelative{args}, K, V, Q, [&](const ref::Tensor3& k, const ref::Tensor3& v) {
+            return ref::lag_relative(k, v, args.sinks, args.lag, false);
+          });
+        }
       }
+    }
+  }
+}
+
+TEST_CASE("LagRelative on float caches: where float cannot normalise or its spreads overflow, double takes over", "[scorer]") {
+  INFO("seed " << kvc::test::test_seed());
+  auto rng = kvc::test::make_rng(315);
+  const long s = 2, L = 8, n = s + 4 * L + 3, d = 35;
+  const ref::Tensor3 Q = kvc::test::random_tensor(rng, 2, 1, d);
+  auto as_float = [](ref::Tensor3 t, double a) {  // scaled, then rounded to float: the cache's exact values
+    for (double& x : t.data) x = static_cast<double>(static_cast<float>(x * a));
+    return t;
+  };
+  for (int c = 0; c < 3; ++c) {
+    INFO("case " << c);
+    ref::Tensor3 K = kvc::test::random_tensor(rng, 2, n, d), V = kvc::test::random_tensor(rng, 2, n, d);
+    if (c == 0) {  // ranges of about 1e-40: their reciprocals overflow float
+      K = as_float(K, 1e-40);
+      V = as_float(V, 1e-40);
+    } else if (c == 1) {  // ranges of about 1e38: reciprocals below the normal floats
+      K = as_float(K, 4e37);
+      V = as_float(V, 1.0);
+    } else {  // partition 0 about 1e36 times partition 1's range: x̂² overflows float
+      for (long g = 0; g < 2; ++g)
+        for (long j = s; j < s + L; ++j)
+          for (long k = 0; k < d; ++k) K.at(g, j, k) *= 1e36;
+      K = as_float(K, 1.0);
+      V = as_float(V, 1.0);
+    }
+    kvc::test::LayerBuffers<float> f(K, V, Q, Layout::head_major);
+    for (const bool rank : {true, false}) {
+      INFO("rank " << rank);
+      const LagRelative::Arguments args{s, L, rank};
+      const Eigen::MatrixXd got = scores_of(LagRelative{args}, f.view());
+      REQUIRE(got.allFinite());
+      if (rank)
+        compare_lag_ranks(got, K, V, args);
+      else
+        CHECK(kvc::test::elementwise_ratio(got, ref::lag_relative(K, V, s, L, false), kTol.float_vs_double.mass) <= 1.0);
     }
   }
 }

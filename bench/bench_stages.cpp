@@ -474,7 +474,7 @@ BENCHMARK_TEMPLATE(BM_Score, kvc::LastQueryAttention)->Apply(kvc::bench::layer_s
 BENCHMARK_TEMPLATE(BM_Score, kvc::LocalLeverage)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::LagRelative)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Score, kvc::ExpectedAttention)->Apply(kvc::bench::layer_sizes);
-BENCHMARK(BM_ScoreObserved)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ScoreObserved)->Arg(1024)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ScoreCritical)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::per_head)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Select, kvc::Granularity::shared)->Apply(kvc::bench::layer_sizes);

@@ -527,6 +527,18 @@ PolicyRun<kvc::compute_t<T>> run_policy(const Layer<T>& layer, long g, long m,
   return run;
 }
 
+/// Y (G·W, d): the window outputs of head g over the full cache, in double.
+template <class T>
+Mat full_outputs(const Layer<T>& layer, long g, const kvc::AttentionArguments& attention) {
+  const long n = layer.n, W = layer.W, G = layer.G;
+  std::vector<long> visible_full;
+  for (long h = 0; h < G; ++h)
+    for (long i = 0; i < W; ++i) visible_full.push_back(n - W + i + 1);
+  return ref::outputs(layer.Q[static_cast<std::size_t>(g)], layer.K[static_cast<std::size_t>(g)],
+                      layer.V[static_cast<std::size_t>(g)], visible_full, attention.resolved_scale(layer.d),
+                      attention.softcap);
+}
+
 /// Oracle for one head: Y from the full cache, then value/key steps with the dense solves.
 template <class T>
 void oracle(const Layer<T>& layer, long g, const std::vector<long>& kept, const std::vector<long>& free,
@@ -534,12 +546,8 @@ void oracle(const Layer<T>& layer, long g, const std::vector<long>& kept, const 
             double& error_before, double& error_after, ref::HoldoutDecisions* decisions = nullptr) {
   const long n = layer.n, W = layer.W, G = layer.G;
   const double scale = attention.resolved_scale(layer.d);
-  std::vector<long> visible_full;
-  for (long h = 0; h < G; ++h)
-    for (long i = 0; i < W; ++i) visible_full.push_back(n - W + i + 1);
   const Mat& Qg = layer.Q[static_cast<std::size_t>(g)];
-  const Mat Y = ref::outputs(Qg, layer.K[static_cast<std::size_t>(g)], layer.V[static_cast<std::size_t>(g)],
-                             visible_full, scale, attention.softcap);
+  const Mat Y = full_outputs(layer, g, attention);
   const std::vector<long> visible = ref::visible_counts(kept, n, W, G);
   K = gather(layer.K[static_cast<std::size_t>(g)], kept);
   V = gather(layer.V[static_cast<std::size_t>(g)], kept);
@@ -783,12 +791,8 @@ double check_error(const Layer<T>& layer, long g, const std::vector<long>& kept,
                    const kvc::AttentionArguments& attention, Index every, const Mat& K, const Mat& V) {
   const long n = layer.n, W = layer.W, G = layer.G;
   const double scale = attention.resolved_scale(layer.d);
-  std::vector<long> visible_full;
-  for (long h = 0; h < G; ++h)
-    for (long i = 0; i < W; ++i) visible_full.push_back(n - W + i + 1);
   const Mat& Qg = layer.Q[static_cast<std::size_t>(g)];
-  const Mat Y = ref::outputs(Qg, layer.K[static_cast<std::size_t>(g)], layer.V[static_cast<std::size_t>(g)],
-                             visible_full, scale, attention.softcap);
+  const Mat Y = full_outputs(layer, g, attention);
   std::vector<long> fit, chk;
   ref::holdout_rows(W, G, every, fit, chk);
   const std::vector<long> visible = ref::visible_counts(kept, n, W, G);

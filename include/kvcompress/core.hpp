@@ -16,6 +16,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // The one place the version is written (CMakeLists.txt reads these three lines).
 #define KVC_VERSION_MAJOR 0
@@ -220,6 +221,12 @@ using Vector = Eigen::Matrix<Real, Eigen::Dynamic, 1>;
 ///
 ///   HF / vLLM per layer  [H][n][d]: head_stride = n*d, token_stride = d   (make_head_major)
 ///   llama.cpp            [n][H][d]: head_stride = d,   token_stride = H*d (make_token_major)
+///
+/// Paged (`blocks` non-null): a pool of `num_blocks` fixed-size blocks of `block_size` tokens, block b
+/// at data + b·block_stride, and a block table: token j lives in block blocks[(offset + j) / block_size]
+/// at row (offset + j) % block_size, where head_stride and token_stride apply (make_paged_token_major,
+/// make_paged_head_major). Every stage reads such a view in place; runs of rows inside one block are
+/// token_stride apart (contiguous_from).
 template <class T>
 struct TensorView {
   T* data = nullptr;
@@ -228,11 +235,32 @@ struct TensorView {
   Index dim = 0;
   Index head_stride = 0;
   Index token_stride = 0;
+  const std::int32_t* blocks = nullptr;  ///< block table (paged views only), one id per block of tokens
+  Index block_size = 0;                  ///< tokens per block (paged)
+  Index block_stride = 0;                ///< elements between blocks of the pool (paged)
+  Index num_blocks = 0;                  ///< blocks in the pool: every id is below it (paged)
+  Index offset = 0;                      ///< row of token 0 in blocks[0], < block_size (paged)
 
   using element_type = std::remove_const_t<T>;
 
+  bool paged() const { return blocks != nullptr; }
+
   /// Pointer to the vector of head `h`, token `j` (`dim` contiguous elements).
-  T* row(Index h, Index j) const { return data + h * head_stride + j * token_stride; }
+  T* row(Index h, Index j) const {
+    if (blocks == nullptr) return data + h * head_stride + j * token_stride;
+    const Index t = offset + j;
+    return data + static_cast<Index>(blocks[t / block_size]) * block_stride + h * head_stride +
+           (t % block_size) * token_stride;
+  }
+
+  /// How many rows from token j on lie token_stride apart (all the remaining ones unless paged).
+  Index contiguous_from(Index j) const {
+    if (blocks == nullptr) return tokens - j;
+    const Index left = block_size - (offset + j) % block_size;
+    return left < tokens - j ? left : tokens - j;
+  }
+  /// Whether rows [first, first + count) lie token_stride apart.
+  bool contiguous(Index first, Index count) const { return blocks == nullptr || contiguous_from(first) >= count; }
 
   /// Contiguous head-major view over a buffer laid out `[heads][tokens][dim]`.
   static TensorView head_major(T* data, Index heads, Index tokens, Index dim) {
@@ -245,12 +273,21 @@ struct TensorView {
 
   /// The same memory seen as const.
   TensorView<const element_type> as_const() const {
-    return {data, heads, tokens, dim, head_stride, token_stride};
+    return {data, heads, tokens, dim, head_stride, token_stride, blocks, block_size, block_stride, num_blocks, offset};
   }
 
   /// Sub-view of tokens [first, first + count) of every head (no copy).
   TensorView token_range(Index first, Index count) const {
-    return {data + first * token_stride, heads, count, dim, head_stride, token_stride};
+    TensorView r = *this;
+    r.tokens = count;
+    if (blocks == nullptr) {
+      r.data = data + first * token_stride;
+    } else {
+      const Index t = offset + first;
+      r.blocks = blocks + t / block_size;
+      r.offset = t % block_size;
+    }
+    return r;
   }
 };
 
@@ -261,6 +298,21 @@ TensorView<T> make_head_major(T* data, Index heads, Index tokens, Index dim) {
 template <class T>
 TensorView<T> make_token_major(T* data, Index tokens, Index heads, Index dim) {
   return TensorView<T>::token_major(data, tokens, heads, dim);
+}
+
+/// Paged cache laid out `[num_blocks][block_size][heads][dim]` (vLLM's flash-attention layout),
+/// `tokens` entries reached through `block_table` (ceil(tokens / block_size) block ids).
+template <class T>
+TensorView<T> make_paged_token_major(T* pool, Index num_blocks, Index block_size, Index heads, Index dim,
+                                     const std::int32_t* block_table, Index tokens) {
+  return {pool, heads, tokens, dim, dim, heads * dim, block_table, block_size, block_size * heads * dim, num_blocks, 0};
+}
+/// Paged cache laid out `[num_blocks][heads][block_size][dim]` (OpenVINO's and vLLM's paged-attention
+/// layout), `tokens` entries reached through `block_table`.
+template <class T>
+TensorView<T> make_paged_head_major(T* pool, Index num_blocks, Index heads, Index block_size, Index dim,
+                                    const std::int32_t* block_table, Index tokens) {
+  return {pool, heads, tokens, dim, block_size * dim, dim, block_table, block_size, heads * block_size * dim, num_blocks, 0};
 }
 
 /// Additive logit bias `[heads][length]` with a head stride; entries at or beyond `length` are 0.
@@ -363,14 +415,17 @@ inline constexpr Index kMaxViewBytes =
 
 /// Bytes from the first to one past the last element of a view with non-negative strides and
 /// positive extents: ((heads−1)·head_stride + (tokens−1)·token_stride + dim)·sizeof(T), overflow
-/// checked; false when it overflows or exceeds kMaxViewBytes, or when data + span wraps the address
-/// space.
+/// checked; for a paged view, of its whole pool: (num_blocks−1)·block_stride + the span of one block.
+/// False when it overflows or exceeds kMaxViewBytes, or when data + span wraps the address space.
 template <class T>
 bool view_span_bytes(const TensorView<T>& v, Index& bytes) {
-  Index a = 0, b = 0, s = 0;
-  if (!checked_mul(v.heads - 1, v.head_stride, a) || !checked_mul(v.tokens - 1, v.token_stride, b) ||
-      !checked_add(a, b, s) || !checked_add(s, v.dim, s) ||
-      !checked_mul(s, static_cast<Index>(sizeof(std::remove_const_t<T>)), bytes) || bytes > kMaxViewBytes)
+  Index a = 0, b = 0, s = 0, p = 0;
+  const Index rows = v.paged() ? v.block_size : v.tokens;
+  if (!checked_mul(v.heads - 1, v.head_stride, a) || !checked_mul(rows - 1, v.token_stride, b) ||
+      !checked_add(a, b, s) || !checked_add(s, v.dim, s))
+    return false;
+  if (v.paged() && (!checked_mul(v.num_blocks - 1, v.block_stride, p) || !checked_add(s, p, s))) return false;
+  if (!checked_mul(s, static_cast<Index>(sizeof(std::remove_const_t<T>)), bytes) || bytes > kMaxViewBytes)
     return false;
   const auto start = reinterpret_cast<std::uintptr_t>(v.data);
   return start <= std::numeric_limits<std::uintptr_t>::max() - static_cast<std::uintptr_t>(bytes);
@@ -379,11 +434,13 @@ bool view_span_bytes(const TensorView<T>& v, Index& bytes) {
 /// Rows of a view must not overlap: with the smaller stride s1 over c1 entries and the larger s2,
 /// a view is alias-free when s1 >= dim and s2 >= s1 * c1 (dimensions of extent 1 are ignored).
 /// When s1 * c1 overflows it exceeds s2: the rows alias.
+/// A paged view: the rows of one block (`block_size` tokens) must not overlap, nor the blocks
+/// (block_stride at least one block's span), nor two entries of its block table (checked_blocks).
 template <class T>
 bool rows_disjoint(const TensorView<T>& v) {
   if (v.head_stride < 0 || v.token_stride < 0) return false;
   Index s[2] = {v.head_stride, v.token_stride};
-  Index c[2] = {v.heads, v.tokens};
+  Index c[2] = {v.heads, v.paged() ? v.block_size : v.tokens};
   int active = 0;
   Index as[2] = {0, 0}, ac[2] = {0, 0};
   for (int k = 0; k < 2; ++k) {
@@ -403,6 +460,42 @@ bool rows_disjoint(const TensorView<T>& v) {
   return as[0] >= v.dim && checked_mul(as[0], ac[0], block) && as[1] >= block;
 }
 
+/// The paging of a view: block_size >= 1, 0 <= offset < block_size, num_blocks >= 1, blocks no
+/// closer than one block's span, and the table's ceil((offset + tokens) / block_size) entries each in
+/// [0, num_blocks) and distinct (a repeated id would make two tokens one row). O(entries); the
+/// distinctness check keeps a bitmap of num_blocks bits per thread, allocated once.
+template <class T>
+Status check_blocks(const TensorView<T>& v, const char* name) {
+  Index a = 0, b = 0, span = 0;
+  if (!checked_mul(v.heads - 1, v.head_stride, a) || !checked_mul(v.block_size - 1, v.token_stride, b) ||
+      !checked_add(a, b, span) || !checked_add(span, v.dim, span))
+    return Status::fail(Status::Code::invalid_shape, concat(name, ": one block's span overflows"));
+  if (v.num_blocks > 1 && v.block_stride < span)
+    return Status::fail(Status::Code::aliasing,
+                        concat(name, ": block_stride=", v.block_stride, " is below one block's span (", span,
+                               " elements): blocks would overlap"));
+  const Index entries = (v.offset + v.tokens - 1) / v.block_size + 1;
+  thread_local std::vector<std::uint64_t> seen;
+  const std::size_t words = static_cast<std::size_t>((v.num_blocks + 63) / 64);
+  if (seen.size() < words) seen.resize(words);
+  std::fill(seen.begin(), seen.begin() + static_cast<std::ptrdiff_t>(words), std::uint64_t(0));
+  for (Index e = 0; e < entries; ++e) {
+    const Index id = v.blocks[e];
+    if (id < 0 || id >= v.num_blocks)
+      return Status::fail(Status::Code::invalid_argument,
+                          concat(name, ": block table entry ", e, " (tokens ", std::max<Index>(0, e * v.block_size - v.offset),
+                                 "..) is block ", id, ", outside [0, ", v.num_blocks, ")"));
+    std::uint64_t& w = seen[static_cast<std::size_t>(id / 64)];
+    const std::uint64_t bit = std::uint64_t(1) << (id % 64);
+    if (w & bit)
+      return Status::fail(Status::Code::aliasing,
+                          concat(name, ": block ", id, " appears twice in the block table (entry ", e,
+                                 "): two tokens would share a row"));
+    w |= bit;
+  }
+  return Status::ok();
+}
+
 template <class T>
 Status check_view(const TensorView<T>& v, const char* name) {
   if (v.heads <= 0 || v.tokens <= 0 || v.dim <= 0)
@@ -411,6 +504,11 @@ Status check_view(const TensorView<T>& v, const char* name) {
                                "][tokens=", v.tokens, "][dim=", v.dim, "]"));
   if (v.data == nullptr)
     return Status::fail(Status::Code::invalid_argument, concat(name, ": data is null"));
+  if (v.paged() && (v.block_size < 1 || v.num_blocks < 1 || v.offset < 0 || v.offset >= v.block_size || v.block_stride < 0))
+    return Status::fail(Status::Code::invalid_shape,
+                        concat(name, ": paged view needs block_size >= 1, num_blocks >= 1, block_stride >= 0 and ",
+                               "0 <= offset < block_size, got block_size=", v.block_size, ", num_blocks=", v.num_blocks,
+                               ", block_stride=", v.block_stride, ", offset=", v.offset));
   if (!rows_disjoint(v))
     return Status::fail(Status::Code::aliasing,
                         concat(name, ": strides alias (head_stride=", v.head_stride,
@@ -421,7 +519,9 @@ Status check_view(const TensorView<T>& v, const char* name) {
     return Status::fail(Status::Code::invalid_shape,
                         concat(name, ": [heads=", v.heads, "][tokens=", v.tokens, "][dim=", v.dim,
                                "] with head_stride=", v.head_stride, ", token_stride=", v.token_stride,
+                               v.paged() ? concat(", ", v.num_blocks, " blocks of ", v.block_size, " tokens ", v.block_stride, " apart") : std::string(),
                                " spans more than ", kMaxViewBytes, " bytes or past the end of the address space"));
+  if (v.paged()) return check_blocks(v, name);
   return Status::ok();
 }
 

@@ -20,6 +20,7 @@
 #include "kvcompress/scorer/observed_attention.hpp"
 #include "kvcompress/scorer/scorers.hpp"
 #include "kvcompress/selector/threshold.hpp"
+#include "kvcompress/selector/top_blocks.hpp"
 #include "kvcompress/selector/top_chunks.hpp"
 #include "kvcompress/selector/top_k.hpp"
 

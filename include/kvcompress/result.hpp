@@ -60,6 +60,23 @@ bool views_overlap(const TensorView<T>& a, const TensorView<T>& b) {
   if (!view_span_bytes(a, span_a) || !view_span_bytes(b, span_b)) return true;
   const U a0 = reinterpret_cast<U>(a.data), b0 = reinterpret_cast<U>(b.data);
   if (a0 + static_cast<U>(span_a) <= b0 || b0 + static_cast<U>(span_b) <= a0) return false;
+  if (a.paged() || b.paged()) {  // every row's start, sorted, then merged: O(rows log rows)
+    std::vector<U> ra, rb;
+    for (const auto* v : {&a, &b}) {
+      auto& r = v == &a ? ra : rb;
+      r.reserve(static_cast<std::size_t>(v->heads * v->tokens));
+      for (Index h = 0; h < v->heads; ++h)
+        for (Index j = 0; j < v->tokens; ++j) r.push_back(reinterpret_cast<U>(v->row(h, j)));
+      std::sort(r.begin(), r.end());
+    }
+    std::size_t i = 0, k = 0;
+    while (i < ra.size() && k < rb.size()) {
+      if (ra[i] + row_bytes_a <= rb[k]) ++i;
+      else if (rb[k] + row_bytes_b <= ra[i]) ++k;
+      else return true;
+    }
+    return false;
+  }
   // Rows in address order: outer index over the larger stride, inner over the smaller.
   struct Walk {
     U base;
@@ -150,6 +167,93 @@ std::vector<Index> compact_into(const LayerResult<Real>& result, const TensorVie
   std::vector<Index> lengths(static_cast<std::size_t>(H));
   for (Index g = 0; g < H; ++g) lengths[static_cast<std::size_t>(g)] = result.heads[static_cast<std::size_t>(g)].size();
   return lengths;
+}
+
+/// What compact_paged did to a paged layer.
+struct PagedCompaction {
+  std::vector<Index> lengths;       ///< entries of each KV head (as compact_into returns them)
+  Index blocks = 0;                 ///< block-table entries now in use: ceil(max length / block_size)
+  std::vector<std::int32_t> freed;  ///< block ids no longer referenced, for the engine's free list
+  bool moved = false;               ///< entries moved to other rows (token granularity), else in place
+};
+
+/// Compacts a compressed layer into the paged cache it was read from (views with paged(), offset 0,
+/// over the pool and the block table `block_table` they point to, e.g. from make_paged_token_major)
+/// and rewrites the table. `stored`: the positions the layer was compressed with (LayerView::positions;
+/// absent: entry j at position j), which locate each kept entry in the cache.
+///   - Whole blocks kept by every head (block granularity, TopBlocks with the cache's block size): every kept entry
+///     stays in its row; the table keeps the kept blocks in order, the evicted blocks' ids are freed.
+///     Only the kept rows are written (a merger may have changed them).
+///   - Otherwise (token granularity): compact_into through the same table, rows 0..m_g−1 of head g,
+///     then the table's first ceil(max m_g / block_size) entries stay and the rest are freed.
+/// The table is rewritten in its first `blocks` entries; entries beyond are left as they were. Throws
+/// kvc::error, and changes nothing, on what compact_into rejects, on views that are not paged with
+/// offset 0 or do not share the table, or when a kept position is not in `stored`. O(Σ m_g·d + n).
+template <class Real, class T>
+PagedCompaction compact_paged(const LayerResult<Real>& result, const TensorView<T>& keys, const TensorView<T>& values,
+                              std::int32_t* block_table, const PositionView& stored = {}) {
+  using detail::concat;
+  if (!keys.paged() || !values.paged() || keys.blocks != block_table || values.blocks != block_table ||
+      keys.offset != 0 || values.offset != 0 || keys.block_size != values.block_size || keys.tokens != values.tokens)
+    throw error("compact_paged: keys and values must be paged views (offset 0, one block size, one length) over "
+                "block_table");
+  detail::check_view(keys, "keys").throw_if_error();
+  detail::check_view(values, "values").throw_if_error();
+  const Index b = keys.block_size, n = keys.tokens, H = static_cast<Index>(result.heads.size());
+  const Index used = (n - 1) / b + 1;  // table entries the layer had
+  const Index m = result.max_size();
+  if (m > n) throw error(concat("compact_paged: the result holds ", m, " entries, the cache ", n));
+  // Each kept entry's index in the cache, from its stored position, per head.
+  std::vector<std::vector<Index>> index(static_cast<std::size_t>(H));
+  for (Index g = 0; g < H; ++g) {
+    const auto& pos = result.heads[static_cast<std::size_t>(g)].positions;
+    auto& idx = index[static_cast<std::size_t>(g)];
+    idx.resize(pos.size());
+    for (std::size_t i = 0; i < pos.size(); ++i) {
+      if (stored.data == nullptr) {
+        idx[i] = pos[i];
+      } else {
+        const Index* first = stored.data + g * stored.head_stride;
+        const Index* last = first + std::min(stored.length, n);
+        const Index* at = std::lower_bound(first, last, pos[i]);
+        if (at == last || *at != pos[i])
+          throw error(concat("compact_paged: kept position ", pos[i], " of head ", g,
+                             " is not among the stored positions"));
+        idx[i] = at - first;
+      }
+      if (idx[i] < 0 || idx[i] >= n)
+        throw error(concat("compact_paged: kept position ", pos[i], " is outside the cache's ", n, " entries"));
+    }
+  }
+  // In place when every head kept the same entries and entry i sits at row i % b of the block that
+  // new block i / b maps to.
+  bool whole_blocks = H > 0;
+  for (Index g = 1; g < H && whole_blocks; ++g) whole_blocks = index[static_cast<std::size_t>(g)] == index[0];
+  for (std::size_t i = 0; whole_blocks && i < index[0].size(); ++i) {
+    const Index k = static_cast<Index>(i), at = index[0][i];
+    whole_blocks = at % b == k % b && (k % b == 0 || at == index[0][i - 1] + 1);
+  }
+  PagedCompaction pc;
+  pc.blocks = m > 0 ? (m - 1) / b + 1 : 0;
+  std::vector<std::int32_t> table(block_table, block_table + used);
+  if (whole_blocks) {
+    std::vector<std::int32_t> kept_table(static_cast<std::size_t>(pc.blocks));
+    for (Index k = 0; k < pc.blocks; ++k) kept_table[static_cast<std::size_t>(k)] = table[static_cast<std::size_t>(index[0][static_cast<std::size_t>(k * b)] / b)];
+    TensorView<T> k_out = keys, v_out = values;
+    k_out.blocks = v_out.blocks = kept_table.data();
+    k_out.tokens = v_out.tokens = m;
+    pc.lengths = compact_into(result, k_out, v_out);  // each row onto itself
+    std::copy(kept_table.begin(), kept_table.end(), block_table);
+    std::vector<char> live(static_cast<std::size_t>(used), 0);
+    for (Index k = 0; k < pc.blocks; ++k) live[static_cast<std::size_t>(index[0][static_cast<std::size_t>(k * b)] / b)] = 1;
+    for (Index k = 0; k < used; ++k)
+      if (!live[k]) pc.freed.push_back(table[k]);
+  } else {
+    pc.lengths = compact_into(result, keys, values);
+    pc.moved = true;
+    pc.freed.assign(table.begin() + pc.blocks, table.end());
+  }
+  return pc;
 }
 
 namespace detail {

@@ -86,7 +86,9 @@ void decode_tile_scores(const float* q, const TensorView<const T>& keys, Index g
   alignas(32) float s[8];
   Index j = 0;
   for (; j + 2 <= len; j += 2) {
-    const Index ahead = prefetch && i0 + j + 1 + kDecodePrefetchRows < t ? kDecodePrefetchRows * keys.token_stride : 0;
+    const Index ahead = prefetch && i0 + j + 1 + kDecodePrefetchRows < t && keys.contiguous(i0 + j + 1, kDecodePrefetchRows + 1)
+                            ? kDecodePrefetchRows * keys.token_stride
+                            : 0;
     const T* k[2] = {keys.row(g, i0 + j), keys.row(g, i0 + j + 1)};
     simd::dots_block<Arch, 2, NH>(q, d, k, d, s, ahead);
     for (int h = 0; h < NH; ++h) {
@@ -186,6 +188,7 @@ void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<
   out.setZero(Hq, d);
   std::vector<float> e(static_cast<std::size_t>(G * kDecodeTile));  // (G, kDecodeTile) weights of one tile
   std::vector<float> m(static_cast<std::size_t>(G)), l(static_cast<std::size_t>(G));
+  std::vector<T> vgather(values.paged() ? static_cast<std::size_t>(kDecodeRowBlock * d) : 0);  // (16, d)
   for (Index g = 0; g < keys.heads; ++g) {
     const Index t = lengths ? lengths[g] : keys.tokens;  // entries of head g
     const float* q = queries.row(g * G).data();  // (G, d), row stride d
@@ -210,14 +213,23 @@ void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<
       for (Index r0 = 0; r0 < len; r0 += kDecodeRowBlock) {
         const Index rows = std::min(kDecodeRowBlock, len - r0);
         const Index next = i0 + r0 + kDecodeRowBlock;  // first row of the next block
-        const bool contiguous = values.token_stride == d;
-        const char* pf = contiguous && next < t ? reinterpret_cast<const char*>(values.row(g, next)) : nullptr;
-        const Index pf_bytes = pf ? std::min(kDecodeRowBlock, t - next) * d * static_cast<Index>(sizeof(T)) : 0;
+        const Index pf_rows = next < t ? std::min(kDecodeRowBlock, t - next) : 0;
+        const bool contiguous = values.token_stride == d && pf_rows > 0 && values.contiguous(next, pf_rows);
+        const char* pf = contiguous ? reinterpret_cast<const char*>(values.row(g, next)) : nullptr;
+        const Index pf_bytes = pf ? pf_rows * d * static_cast<Index>(sizeof(T)) : 0;
+        // A block of rows that spans blocks of a paged cache is gathered first (same arithmetic).
+        const T* vrows = values.row(g, i0 + r0);
+        Index vstride = values.token_stride;
+        if (!values.contiguous(i0 + r0, rows)) {
+          for (Index r = 0; r < rows; ++r) std::copy_n(values.row(g, i0 + r0 + r), d, vgather.data() + r * d);
+          vrows = vgather.data();
+          vstride = d;
+        }
         for (Index h0 = 0; h0 < G; h0 += 4)
           with_head_block(G - h0, [&](auto nh) {
-            decode_block_values<Arch, decltype(nh)::value>(e.data() + h0 * kDecodeTile + r0, kDecodeTile,
-                                                           values.row(g, i0 + r0), values.token_stride, rows, d,
-                                                           o + h0 * d, h0 == 0 ? pf : nullptr, pf_bytes);
+            decode_block_values<Arch, decltype(nh)::value>(e.data() + h0 * kDecodeTile + r0, kDecodeTile, vrows,
+                                                           vstride, rows, d, o + h0 * d, h0 == 0 ? pf : nullptr,
+                                                           pf_bytes);
           });
       }
     }

@@ -156,10 +156,10 @@ void window_logits(const LayerView<T>& layer, Index g, const RowMatrix<Real>& qg
   const Index n = layer.tokens(), d = layer.head_dim();
   const Real scale = static_cast<Real>(args.resolved_scale(d));
   logits.resize(qg.rows(), n);
-  if constexpr (std::is_same_v<T, Real>) {
-    auto k = detail::map_rows<Real>(layer.keys, g, 0, n);  // (n, d)
-    logits.noalias() = scale * (qg * k.transpose());
-  } else {
+  if (std::is_same_v<T, Real> && !layer.keys.paged()) {
+    RowMatrix<Real> unused;
+    logits.noalias() = scale * (qg * detail::rows_at<Real>(layer.keys, g, 0, n, unused).transpose());  // in place
+  } else {  // another element type, or a paged cache: a tile of rows at a time
     RowMatrix<Real> tile(std::min<Index>(detail::kKeyTile, n), d);
     for (Index j0 = 0; j0 < n; j0 += detail::kKeyTile) {
       const Index cnt = std::min<Index>(detail::kKeyTile, n - j0);
@@ -216,14 +216,14 @@ void window_exp_tiles(const LayerView<T>& layer, Index g, const AttentionArgumen
   ws.row_max.setConstant(R, -std::numeric_limits<float>::infinity());
   ws.row_sum.setZero(R);
   ws.live.resize(static_cast<std::size_t>(R));
-  if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
+  if (!std::is_same_v<T, float> || layer.keys.paged()) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
   const float* bias = nullptr;
   const Index bias_len = head_bias(layer, g, bias);
   for (Index t = 0; t < tiles; ++t) {
     const Index j0 = t * kSoftmaxTile, cnt = std::min(kSoftmaxTile, n - j0);
     auto block = ws.exps.middleCols(j0, cnt);  // (R, cnt)
-    if constexpr (std::is_same_v<T, float>) {
-      block.noalias() = scale * (ws.queries * map_rows<float>(layer.keys, g, j0, cnt).transpose());
+    if constexpr (std::is_same_v<T, float>) {  // in place, or gathered where a paged tile spans blocks
+      block.noalias() = scale * (ws.queries * rows_at<float>(layer.keys, g, j0, cnt, ws.key_tile).transpose());
     } else {
       auto keys = ws.key_tile.topRows(cnt);
       gather_rows<float>(layer.keys, g, j0, cnt, keys);
@@ -366,7 +366,9 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   ws.lane_last.resize(Rp);
   ws.tile_max.resize(Rp);
   for (Index c = 0; c < Rp; ++c) ws.lane_last[c] = static_cast<float>(c < R ? c % W : W);
-  if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
+  // Float keys are read in place; other types, and tiles of a paged cache that span blocks, are
+  // gathered into ws.key_tile first.
+  if (!std::is_same_v<T, float> || layer.keys.paged()) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
   const float* bias = nullptr;
   const Index bias_len = head_bias(layer, g, bias);
   bool finite = true;
@@ -378,18 +380,25 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
     const Index tb_len = tile_bias(bias, bias_len, j0, cnt, tb);
     // The product's lane maxima spare the softmax a pass, except where it masks, soft-caps or biases.
     float* tile_max = masked || cap > 0.0f || amx || tb_len > 0 ? nullptr : ws.tile_max.data();
+    bool in_place = false;
     if constexpr (std::is_same_v<T, float>) {
-      if (amx) {
-        simd::amx_window_logits_t(layer.keys.row(g, j0), layer.keys.token_stride, cnt, ws.amx, x, Rp, n - j0);
-      } else {
-        const Index next = std::min(kSoftmaxTile, n - j0 - cnt);  // rows of the next tile, prefetched
-        simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
-                                    x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next, tile_max);
+      if (layer.keys.contiguous(j0, cnt)) {  // the tile's rows are token_stride apart
+        in_place = true;
+        const Index run = layer.keys.contiguous_from(j0);  // rows that may be prefetched
+        if (amx) {
+          simd::amx_window_logits_t(layer.keys.row(g, j0), layer.keys.token_stride, cnt, ws.amx, x, Rp, run);
+        } else {
+          const Index next = std::min(kSoftmaxTile, run - cnt);  // rows of the next tile, prefetched
+          simd::window_logits_t<Arch>(layer.keys.row(g, j0), layer.keys.token_stride, cnt, d, ws.packed.data(), Rp,
+                                      x, Rp, next > 0 ? layer.keys.row(g, j0 + cnt) : nullptr, next, tile_max);
+        }
       }
-    } else {
+    }
+    if (!in_place) {
       auto keys = ws.key_tile.topRows(cnt);
       gather_rows<float>(layer.keys, g, j0, cnt, keys);
-      simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp, nullptr, 0, tile_max);
+      if (amx) simd::amx_window_logits_t(keys.data(), d, cnt, ws.amx, x, Rp, cnt);
+      else simd::window_logits_t<Arch>(keys.data(), d, cnt, d, ws.packed.data(), Rp, x, Rp, nullptr, 0, tile_max);
     }
     finite &= simd::softmax_tile_t<Arch>(x, Rp, cnt, Rp, j0 - base, masked, ws.lane_last.data(), cap,
                                          ws.row_max.data(), ws.row_sum.data(), ws.shift.row(t).data(), tile_max,
@@ -446,9 +455,10 @@ namespace detail {
 template <class Real, class T>
 void probabilities_times_values(const LayerView<T>& layer, Index g, const RowMatrix<Real>& A, RowMatrix<Real>& Y) {
   const Index n = layer.tokens(), d = layer.head_dim();
-  if constexpr (std::is_same_v<T, Real>) {
-    Y.noalias() = A * map_rows<Real>(layer.values, g, 0, n);
-  } else {
+  if (std::is_same_v<T, Real> && !layer.values.paged()) {
+    RowMatrix<Real> unused;
+    Y.noalias() = A * rows_at<Real>(layer.values, g, 0, n, unused);  // in place
+  } else {  // another element type, or a paged cache: a tile of rows at a time
     Y.setZero(A.rows(), d);
     RowMatrix<Real> tile(std::min<Index>(kKeyTile, n), d);
     for (Index j0 = 0; j0 < n; j0 += kKeyTile) {
@@ -478,10 +488,8 @@ void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments
     const float cap = static_cast<float>(args.softcap);
     const RowMatrix<float> q = gather_group_queries<float>(layer, g);  // (R, d)
     RowMatrix<float> exps(R, tile), part(R, d), ktile, vtile;           // (R, tile), (R, d)
-    if constexpr (!std::is_same_v<T, float>) {
-      ktile.resize(std::min(tile, n), d);
-      vtile.resize(std::min(tile, n), d);
-    }
+    if (!std::is_same_v<T, float> || layer.keys.paged()) ktile.resize(std::min(tile, n), d);
+    if (!std::is_same_v<T, float> || layer.values.paged()) vtile.resize(std::min(tile, n), d);
     Vector<float> row_max = Vector<float>::Constant(R, -std::numeric_limits<float>::infinity());
     Vector<float> row_sum = Vector<float>::Zero(R), shift(R);
     Vector<float> applied = row_max;  // (R) the maximum Y's rows are currently relative to
@@ -493,7 +501,7 @@ void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments
       const Index cnt = std::min(tile, n - j0);
       auto block = exps.leftCols(cnt);
       if constexpr (std::is_same_v<T, float>) {
-        block.noalias() = scale * (q * detail::map_rows<float>(layer.keys, g, j0, cnt).transpose());
+        block.noalias() = scale * (q * detail::rows_at<float>(layer.keys, g, j0, cnt, ktile).transpose());
       } else {
         auto keys = ktile.topRows(cnt);
         detail::gather_rows<float>(layer.keys, g, j0, cnt, keys);
@@ -505,7 +513,7 @@ void window_outputs(const LayerView<T>& layer, Index g, const AttentionArguments
       simd::softmax_tile<Arch>(exps.data(), tile, R, cnt, live.data(), cap, row_max.data(), row_sum.data(),
                                shift.data(), tb, tb_len);
       if constexpr (std::is_same_v<T, float>) {
-        part.noalias() = block * detail::map_rows<float>(layer.values, g, j0, cnt);
+        part.noalias() = block * detail::rows_at<float>(layer.values, g, j0, cnt, vtile);
       } else {
         auto values = vtile.topRows(cnt);
         detail::gather_rows<float>(layer.values, g, j0, cnt, values);
@@ -543,12 +551,12 @@ void window_outputs_after_mass(const LayerView<T>& layer, Index g, WindowWorkspa
   constexpr Index tile = detail::kSoftmaxTile;
   if constexpr (std::is_same_v<Real, float>) {
     RowMatrix<float> part;  // (Rp, d)
-    if constexpr (!std::is_same_v<T, float>) ws.key_tile.resize(std::min(tile, n), d);  // reused for V rows
+    if (!std::is_same_v<T, float> || layer.values.paged()) ws.key_tile.resize(std::min(tile, n), d);  // reused for V rows
     for (Index t = 0, j0 = 0; j0 < n; ++t, j0 += tile) {
       const Index cnt = std::min(tile, n - j0);
       const auto e = ws.exps.middleRows(j0, cnt);  // (cnt, Rp)
       if constexpr (std::is_same_v<T, float>) {
-        part.noalias() = e.transpose() * detail::map_rows<float>(layer.values, g, j0, cnt);
+        part.noalias() = e.transpose() * detail::rows_at<float>(layer.values, g, j0, cnt, ws.key_tile);
       } else {
         auto v = ws.key_tile.topRows(cnt);
         detail::gather_rows<float>(layer.values, g, j0, cnt, v);

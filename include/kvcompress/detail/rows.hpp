@@ -36,7 +36,22 @@ using ConstRowsMap =
 template <class Real, class T>
 ConstRowsMap<Real> map_rows(const TensorView<const T>& v, Index h, Index first, Index count) {
   static_assert(std::is_same_v<T, Real>, "map_rows needs the element type to be the compute type");
+  KVC_ASSERT(v.contiguous(first, count));  // a paged view's rows are token_stride apart only inside a block
   return ConstRowsMap<Real>(v.row(h, first), count, v.dim, Eigen::OuterStride<Eigen::Dynamic>(v.token_stride));
+}
+
+/// Rows [first, first+count) of head h as a (count, dim) map: in place when T is Real and the rows
+/// are token_stride apart (not spanning blocks of a paged view), else converted / gathered into
+/// `tile` (resized when smaller). The map is valid until `tile` changes.
+template <class Real, class T>
+ConstRowsMap<Real> rows_at(const TensorView<const T>& v, Index h, Index first, Index count, RowMatrix<Real>& tile) {
+  if constexpr (std::is_same_v<T, Real>) {
+    if (v.contiguous(first, count)) return map_rows<Real>(v, h, first, count);
+  }
+  if (tile.rows() < count || tile.cols() != v.dim) tile.resize(count, v.dim);
+  using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+  for (Index j = 0; j < count; ++j) tile.row(j) = Eigen::Map<const Row>(v.row(h, first + j), v.dim).template cast<Real>();
+  return ConstRowsMap<Real>(tile.data(), count, v.dim, Eigen::OuterStride<Eigen::Dynamic>(v.dim));
 }
 
 /// out (count, dim) <- rows [first, first+count) of head h, converted to Real.

@@ -184,12 +184,14 @@ struct ExpectedAttention {
       std::vector<float> packed(static_cast<std::size_t>(Rp * d)), x(static_cast<std::size_t>(tile * Rp));
       simd::pack_queries<Arch>(M.data(), d, R, d, 1.0f, packed.data());
       RowMatrix<float> keys;
-      if constexpr (!std::is_same_v<T, float>) keys.resize(std::min(tile, n), d);
       const TensorView<const T>& K = ctx.layer().keys;
+      if (!std::is_same_v<T, float> || K.paged()) keys.resize(std::min(tile, n), d);
       for (Index j0 = 0; j0 < n; j0 += tile) {
         const Index cnt = std::min(tile, n - j0);
-        if constexpr (std::is_same_v<T, float>) {
-          simd::window_logits_t<Arch>(K.row(g, j0), K.token_stride, cnt, d, packed.data(), Rp, x.data(), Rp);
+        if (std::is_same_v<T, float> && K.contiguous(j0, cnt)) {  // in place
+          const float* first = nullptr;
+          if constexpr (std::is_same_v<T, float>) first = K.row(g, j0);
+          simd::window_logits_t<Arch>(first, K.token_stride, cnt, d, packed.data(), Rp, x.data(), Rp);
         } else {
           auto rows_f = keys.topRows(cnt);
           detail::gather_rows<float>(K, g, j0, cnt, rows_f);

@@ -175,6 +175,8 @@ inline MethodOptions method_options(Args& a) {
   if (a.has("merger")) o.merger = a.str("merger");
   if (a.has("compensator")) o.compensator = a.str("compensator");
   if (a.has("allocation")) o.allocation = a.str("allocation");
+  if (a.has("block-size")) o.block_size = a.integer("block-size", 0, 1, std::numeric_limits<Index>::max());
+  if (a.has("block-score")) o.block_score = a.str("block-score");
   return o;
 }
 
@@ -636,6 +638,7 @@ inline std::string usage() {
          "  --reposition --threshold\n"
          "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge|nearest-key|cam\n"
          "  --compensator none|log-ratio|merge-count --allocation uniform|adakv\n"
+         "  --block-size b (whole blocks of b entries kept or evicted) --block-score mean|max\n"
          "generate, eval: --layer-budgets uniform|pyramid [--pyramid-beta 20]\n"
          "  --prefill-chunk C (compress after every C prompt tokens) --decode-budget N [--compress-every K]\n"
          "methods:" + methods + "\n";

@@ -15,7 +15,7 @@ namespace kvc::cli {
 
 using ComposedScorer = OneOf<Position, AttentionMass, ValueWeighted, KeyNorm, LastQueryAttention, KeyDiversity,
                              LocalLeverage, LagRelative, ExpectedAttention, ObservedAttention, CriticalAttention>;
-using ComposedSelector = OneOf<TopK<>, TopChunks<>, KeepAll, ThresholdSelect<>>;
+using ComposedSelector = OneOf<TopK<>, TopChunks<>, KeepAll, ThresholdSelect<>, TopBlocks<>>;
 using ComposedRouter = OneOf<NoRoute, BucketRouter<>>;
 using ComposedMerger = OneOf<Drop, SoftGate, MergeAll, RidgeMerge, NearestKeyMerge, CacheMerge>;
 using ComposedCompensator = OneOf<NoCompensation, AttentionRatio, MergeCount>;
@@ -63,7 +63,9 @@ inline std::string choices(const std::vector<std::string>& names) {
 }  // namespace detail
 
 /// Whether the options swap a stage (the method then runs as a Composed pipeline).
-inline bool swaps_stages(const MethodOptions& o) { return o.scorer || o.merger || o.compensator || o.allocation; }
+inline bool swaps_stages(const MethodOptions& o) {
+  return o.scorer || o.merger || o.compensator || o.allocation || o.block_size;
+}
 
 /// Method `method`'s preset as Composed::Arguments with the stages the options name swapped in, then
 /// the options applied to the stages that take them. Rules:
@@ -74,6 +76,9 @@ inline bool swaps_stages(const MethodOptions& o) { return o.scorer || o.merger |
 ///   cosine), merge-all and soft-gate get SelKV's router (32-token buckets, key cosine) when the method
 ///   has none, and the others run without one;
 /// - --compensator: none, log-ratio (SelKV's α·log R), merge-count (log(1 + merged));
+/// - --block-size b: the selector becomes TopBlocks (whole blocks of b entries, one selection for
+///   every head) with the method's sinks, recent and pooling; methods that keep everything or select by
+///   a threshold have no ranking to cut into blocks and reject it;
 /// - --allocation: uniform (every KV head keeps m), adakv (AdaKV's per-head budgets; needs per-head
 ///   selection).
 /// Throws std::invalid_argument for an unknown name or an option that does not apply.
@@ -137,6 +142,25 @@ inline Composed::Arguments composed_arguments(const std::string& method, const M
     else if (m == "adakv") c.allocator.policy = AdaKV{};
     else throw std::invalid_argument("--allocation must be uniform or adakv, got '" + m + "'");
     label += " --allocation " + m;
+  }
+  if (o.block_size) {
+    TopBlocks<> blocks;
+    std::visit(
+        [&](auto& p) {
+          using A = std::decay_t<decltype(p.args)>;
+          if constexpr (detail::has_pool<A>::value) {
+            blocks.args.sinks = p.args.sinks;
+            blocks.args.recent = p.args.recent;
+            blocks.args.pool_kernel = p.args.pool_kernel;
+            blocks.args.pooling = p.args.pooling;
+          } else {
+            throw std::invalid_argument("--block-size does not apply to method '" + label +
+                                        "': it keeps entries without ranking them");
+          }
+        },
+        c.selector.policy);
+    c.selector.policy = blocks;
+    label += " --block-size " + std::to_string(*o.block_size);
   }
   std::visit([&](auto& p) { detail::apply_selector(p.args, o, label); }, c.selector.policy);
   std::visit([&](auto& p) { detail::apply_router(p.args, o, label); }, c.router.policy);

@@ -16,6 +16,9 @@ namespace kvc::cli {
 struct MethodOptions {
   std::optional<Index> pool, recent, sinks, bucket, steps, holdout_every;
   std::optional<std::string> route, selection, pooling, lambda_mode;
+  /// Block granularity (composed.hpp): --block-size b swaps the selector for TopBlocks, --block-score.
+  std::optional<Index> block_size;
+  std::optional<std::string> block_score;
   /// Stages swapped into the method (composed.hpp): --scorer METHOD, --merger, --compensator, --allocation.
   std::optional<std::string> scorer, merger, compensator, allocation;
   std::optional<double> alpha, lambda, beta, r_max, threshold;
@@ -39,6 +42,8 @@ namespace detail {
 
 template <class A, class = void> struct has_pool : std::false_type {};
 template <class A> struct has_pool<A, std::void_t<decltype(A{}.pool_kernel)>> : std::true_type {};
+template <class A, class = void> struct has_block_size : std::false_type {};
+template <class A> struct has_block_size<A, std::void_t<decltype(A{}.block_size)>> : std::true_type {};
 template <class A, class = void> struct has_threshold : std::false_type {};
 template <class A> struct has_threshold<A, std::void_t<decltype(A{}.threshold)>> : std::true_type {};
 template <class A, class = void> struct has_bucket : std::false_type {};
@@ -55,7 +60,33 @@ template <class A> struct has_ridge<A, std::void_t<decltype(A{}.lambda_v)>> : st
 // One function per slot, over that slot's Arguments: sets the options that apply, rejects the others.
 template <class A>
 void apply_selector(A& a, const MethodOptions& o, const std::string& method) {
-  if constexpr (has_pool<A>::value) {
+  if constexpr (!has_block_size<A>::value) {
+    if (o.block_score) not_applicable("block-score", method);
+  }
+  if constexpr (has_block_size<A>::value) {  // TopBlocks: whole blocks, one selection for every head
+    if (o.block_size) a.block_size = *o.block_size;
+    if (o.block_score) {
+      if (*o.block_score == "mean") a.block_score = BlockScore::mean;
+      else if (*o.block_score == "max") a.block_score = BlockScore::max;
+      else throw std::invalid_argument("--block-score must be mean or max, got '" + *o.block_score + "'");
+    }
+    if (o.pool) {
+      a.pool_kernel = *o.pool;
+      a.pooling = *o.pool > 1 ? (a.pooling == Pooling::none ? Pooling::average : a.pooling) : Pooling::none;
+    }
+    if (o.pooling) {
+      if (*o.pooling == "avg" || *o.pooling == "average") a.pooling = Pooling::average;
+      else if (*o.pooling == "max") a.pooling = Pooling::max;
+      else if (*o.pooling == "none") a.pooling = Pooling::none;
+      else throw std::invalid_argument("--pooling must be avg, max or none, got '" + *o.pooling + "'");
+    }
+    if (o.recent) a.recent = *o.recent;
+    if (o.sinks) a.sinks = *o.sinks;
+    if (o.selection && *o.selection != "shared")
+      throw std::invalid_argument("--block-size selects whole blocks for every KV head at once (a block holds every "
+                                  "head): --selection must be shared");
+    if (o.threshold) not_applicable("threshold", method);
+  } else if constexpr (has_pool<A>::value) {
     if (o.pool) {
       a.pool_kernel = *o.pool;
       a.pooling = *o.pool > 1 ? (a.pooling == Pooling::none ? Pooling::average : a.pooling) : Pooling::none;

@@ -113,7 +113,7 @@ void same_dtype(const Input& a, const char* an, const Input& b, const char* bn) 
 // ---- options --------------------------------------------------------------------------------------
 
 const char* const kOptionNames =
-    "pool, pooling, recent, sinks, bucket, route, selection, alpha, r_max, lambda (or lambda_), lambda_mode, holdout_every, beta, steps, "
+    "pool, pooling, recent, sinks, bucket, route, selection, alpha, r_max, lambda (or lambda_), lambda_mode, holdout_every, beta, steps, block_size, block_score, "
     "safeguard, reposition, threshold, scorer, merger, compensator, allocation";
 
 std::string type_name(py::handle v) { return py::str(py::type::of(v).attr("__name__")); }
@@ -180,6 +180,8 @@ cli::MethodOptions method_options(const py::kwargs& kwargs) {
     else if (key == "bucket") o.bucket = as_int(key, v);
     else if (key == "steps") o.steps = as_int(key, v);
     else if (key == "holdout_every") o.holdout_every = as_int(key, v);
+    else if (key == "block_size") o.block_size = as_int(key, v);
+    else if (key == "block_score") o.block_score = as_text(key, v);
     else if (key == "lambda_mode") o.lambda_mode = as_text(key, v);
     else if (key == "pooling") o.pooling = as_text(key, v);
     else if (key == "route") o.route = as_text(key, v);

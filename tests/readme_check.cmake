@@ -1,6 +1,7 @@
 # The documentation's complete programs must be the example files verbatim (the build compiles the
 # examples and ctest runs them): README.md's quick start is examples/minimal.cpp (example_minimal),
-# docs/policies.md's example is examples/custom_policy.cpp (example_custom_policy). Each example
+# docs/policies.md's example is examples/custom_policy.cpp (example_custom_policy), docs/integration.md's
+# paged decode loop is examples/paged_decode.cpp (example_paged_decode). Each example
 # counts from its `#include <kvcompress/kvcompress.hpp>` line (the comment above it is not shown).
 # Invoked as: cmake -DSRC=<repo root> -P readme_check.cmake
 cmake_minimum_required(VERSION 3.16)
@@ -41,3 +42,4 @@ endfunction()
 
 expect_verbatim(README.md examples/minimal.cpp)
 expect_verbatim(docs/policies.md examples/custom_policy.cpp)
+expect_verbatim(docs/integration.md examples/paged_decode.cpp)

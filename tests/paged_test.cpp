@@ -9,6 +9,7 @@
 #include <kvcompress/result.hpp>
 #include "presets_compiled.hpp"  // float and float16 presets compiled once (kvc_cli_methods)
 #include "runner.hpp"
+#include "support/test_presets.hpp"  // double and bfloat16 presets compiled once (kvc_test_presets)
 
 #include "support/random.hpp"
 #include "support/result_checks.hpp"
@@ -32,7 +33,7 @@ struct PagedLayer {
   std::vector<T> Kt, Vt, Kh, Vh;        // the two paged pools
   std::vector<std::int32_t> table;      // block k of the sequence is page table[k]
   std::vector<Index> pos;               // [H][n] stored positions (recompression), when used
-  std::vector<float> bias;              // [H][n]
+  std::vector<kvc::compute_t<T>> bias;  // [H][n]
   std::vector<float> wo;                // [D][Hq·d] output projection (CriticalKV)
   bool stored = false;
 
@@ -114,7 +115,11 @@ void check_every_preset(const PagedLayer<T>& c, const kvc::Budget& budget) {
 #define KVC_PAGED_CHECK(Preset)                                                             \
   if (c.W >= c.n || !std::is_same_v<Preset, kvc::H2O>) /* H2O reads every prefill query */ \
     check_preset_paged<Preset>(c, budget, #Preset);
-  KVC_CLI_PRESETS(KVC_PAGED_CHECK)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, Eigen::half>) {
+    KVC_CLI_PRESETS(KVC_PAGED_CHECK)
+  } else {
+    KVC_TEST_PRESETS(KVC_PAGED_CHECK)
+  }
 #undef KVC_PAGED_CHECK
 }
 
@@ -189,6 +194,20 @@ TEST_CASE("paged views: a bad block table or block geometry is an error, never a
     l.keys.num_blocks = Index(1) << 60;  // a pool beyond any address space
     CHECK(status(l).code() == kvc::Status::Code::invalid_shape);
   }
+  {
+    auto l = c.paged_token_major();  // a pool far larger than the table: its ids are checked sorted
+    l.keys.num_blocks = Index(1) << 20;
+    CHECK(status(l).is_ok());
+    const std::int32_t saved = c.table[4];
+    c.table[4] = c.table[1];
+    CHECK(status(l).code() == kvc::Status::Code::aliasing);
+    c.table[4] = saved;
+  }
+  {
+    auto l = c.paged_token_major();
+    l.keys.tokens = l.values.tokens = c.pool_blocks * c.b + 1;  // more tokens than the pool holds
+    CHECK(status(l).code() == kvc::Status::Code::invalid_shape);
+  }
   auto bad = c.paged_token_major();
   bad.keys.block_size = 0;
   CHECK_THROWS_AS(snap.run(bad, kvc::Budget::ratio(0.5)), kvc::error);
@@ -200,6 +219,31 @@ TEST_CASE("paged views: every preset gives the contiguous cache's result, bit fo
   SECTION("float, blocks of 16, every prefill query") { check_every_preset(PagedLayer<float>(2, 4, 300, 16, 300, 16, 22), budget); }
   SECTION("float, stored positions and bias") { check_every_preset(PagedLayer<float>(2, 4, 300, 16, 8, 16, 23, true), budget); }
   SECTION("half, blocks of 7") { check_every_preset(PagedLayer<Eigen::half>(2, 4, 300, 16, 8, 7, 24), budget); }
+  SECTION("double, blocks of 7") { check_every_preset(PagedLayer<double>(2, 4, 300, 16, 8, 7, 25), budget); }
+  SECTION("bfloat16, blocks of 16") { check_every_preset(PagedLayer<Eigen::bfloat16>(2, 4, 300, 16, 8, 16, 26), budget); }
+}
+
+TEST_CASE("paged views: window logits, probabilities and outputs are the contiguous cache's, bit for bit",
+          "[paged]") {
+  const PagedLayer<double> c(2, 4, 300, 16, 8, 7, 27, true);
+  const auto flat = c.contiguous(), paged = c.paged_head_major();
+  const kvc::AttentionArguments args;
+  for (Index g = 0; g < c.H; ++g) {
+    kvc::RowMatrix<double> a, b;
+    kvc::window_probabilities<double>(flat, g, args, a);
+    kvc::window_probabilities<double>(paged, g, args, b);
+    CHECK(a == b);
+    kvc::window_outputs<double>(flat, g, args, a);
+    kvc::window_outputs<double>(paged, g, args, b);
+    CHECK(a == b);
+  }
+  const PagedLayer<float> f(2, 4, 300, 16, 8, 7, 28, true);
+  for (Index g = 0; g < f.H; ++g) {
+    kvc::RowMatrix<float> a, b;
+    kvc::window_outputs<float>(f.contiguous(), g, args, a);
+    kvc::window_outputs<float>(f.paged_token_major(), g, args, b);
+    CHECK(a == b);
+  }
 }
 
 TEST_CASE("paged views: the tool's compositions and threads read them as the contiguous cache", "[paged]") {
@@ -279,6 +323,7 @@ std::vector<Index> reference_blocks(const std::vector<kvc::Vector<float>>& s, In
       left -= size;
     }
   }
+  if (std::find(keep.begin(), keep.end(), true) == keep.end()) keep[order.front()] = true;  // never nothing
   std::vector<Index> kept;
   for (Index j = 0; j < n; ++j)
     if (keep[j / b]) kept.push_back(j);
@@ -291,8 +336,8 @@ TEST_CASE("TopBlocks keeps whole blocks: forced ones, then the best that fit", "
   auto rng = kvc::test::make_rng(51);
   std::normal_distribution<float> N;
   for (int trial = 0; trial < 60; ++trial) {
-    const Index H = 1 + trial % 3, n = 20 + trial * 7, b = 1 + trial % 9;
-    const Index m = 1 + (trial * 13) % n, sinks = trial % 4, recent = (trial * 5) % 11;
+    const Index H = 1 + trial % 3, n = 20 + trial * 7, b = 1 + trial % 9 + (trial % 10 == 3 ? 40 : 0);
+    const Index m = 1 + (trial * 13) % n, sinks = trial % 4 == 1 ? 0 : trial % 4, recent = trial % 4 == 1 ? 0 : (trial * 5) % 11;
     const bool use_max = trial % 2 == 1;
     INFO("trial " << trial << ": H " << H << " n " << n << " b " << b << " m " << m << " sinks " << sinks << " recent " << recent);
     std::vector<kvc::Vector<float>> s(static_cast<std::size_t>(H), kvc::Vector<float>(n));
@@ -312,6 +357,19 @@ TEST_CASE("TopBlocks keeps whole blocks: forced ones, then the best that fit", "
       CHECK(out.kept[static_cast<std::size_t>(g)] == want);
       CHECK(static_cast<Index>(out.kept[g].size() + out.evicted[g].size()) == n);
     }
+  }
+  {  // a budget below one block, nothing forced: the best block, whole (never an empty cache)
+    std::vector<kvc::Vector<float>> s(2, kvc::Vector<float>::Zero(40));
+    s[0][20] = 5.0f;
+    s[1][21] = 1.0f;
+    kvc::TopBlocks<> sel;
+    kvc::Selection<float> out;
+    sel.select(s, {5, 5}, out);
+    std::vector<Index> want(16);
+    std::iota(want.begin(), want.end(), Index(16));
+    CHECK(out.kept[0] == want);
+    CHECK(out.kept[1] == want);
+    CHECK(reference_blocks(s, 5, 16, 0, 0, false) == want);
   }
   kvc::TopBlocks<> bad;
   bad.args.block_size = 0;
@@ -399,6 +457,8 @@ TEST_CASE("compact_paged: bad input throws and changes nothing", "[paged]") {
   for (Index j = 0; j < c.H * c.n; ++j) wrong[static_cast<std::size_t>(j)] = 1000 + j;
   CHECK_THROWS_WITH(kvc::compact_paged(r, K, V, c.table.data(), kvc::PositionView{wrong.data(), c.H, c.n, c.n}),
                     Catch::Contains("not among the stored positions"));
+  CHECK_THROWS_WITH(kvc::compact_paged(r, K, V, c.table.data(), kvc::PositionView{wrong.data(), c.H, c.n - 1, c.n}),
+                    Catch::Contains("do not describe the cache"));
   auto huge = r;
   huge.heads[0].values(0, 0) = std::numeric_limits<float>::infinity();
   CHECK_THROWS_AS(kvc::compact_paged(huge, K, V, c.table.data()), kvc::error);

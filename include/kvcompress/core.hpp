@@ -6,6 +6,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -462,8 +463,9 @@ bool rows_disjoint(const TensorView<T>& v) {
 
 /// The paging of a view: block_size >= 1, 0 <= offset < block_size, num_blocks >= 1, blocks no
 /// closer than one block's span, and the table's ceil((offset + tokens) / block_size) entries each in
-/// [0, num_blocks) and distinct (a repeated id would make two tokens one row). O(entries); the
-/// distinctness check keeps a bitmap of num_blocks bits per thread, allocated once.
+/// [0, num_blocks) and distinct (a repeated id would make two tokens one row). O(entries), with a
+/// bitmap of the pool's ids (or, for a pool much larger than the table, the table's ids sorted) kept
+/// per thread and allocated once.
 template <class T>
 Status check_blocks(const TensorView<T>& v, const char* name) {
   Index a = 0, b = 0, span = 0;
@@ -474,24 +476,43 @@ Status check_blocks(const TensorView<T>& v, const char* name) {
     return Status::fail(Status::Code::aliasing,
                         concat(name, ": block_stride=", v.block_stride, " is below one block's span (", span,
                                " elements): blocks would overlap"));
+  Index pool_rows = 0;
+  if (!checked_mul(v.num_blocks, v.block_size, pool_rows) || v.tokens > pool_rows - v.offset)
+    return Status::fail(Status::Code::invalid_shape,
+                        concat(name, ": ", v.tokens, " tokens from row ", v.offset, " do not fit in ", v.num_blocks,
+                               " blocks of ", v.block_size));
   const Index entries = (v.offset + v.tokens - 1) / v.block_size + 1;
-  thread_local std::vector<std::uint64_t> seen;
-  const std::size_t words = static_cast<std::size_t>((v.num_blocks + 63) / 64);
-  if (seen.size() < words) seen.resize(words);
-  std::fill(seen.begin(), seen.begin() + static_cast<std::ptrdiff_t>(words), std::uint64_t(0));
   for (Index e = 0; e < entries; ++e) {
     const Index id = v.blocks[e];
     if (id < 0 || id >= v.num_blocks)
       return Status::fail(Status::Code::invalid_argument,
                           concat(name, ": block table entry ", e, " (tokens ", std::max<Index>(0, e * v.block_size - v.offset),
                                  "..) is block ", id, ", outside [0, ", v.num_blocks, ")"));
-    std::uint64_t& w = seen[static_cast<std::size_t>(id / 64)];
-    const std::uint64_t bit = std::uint64_t(1) << (id % 64);
-    if (w & bit)
-      return Status::fail(Status::Code::aliasing,
-                          concat(name, ": block ", id, " appears twice in the block table (entry ", e,
-                                 "): two tokens would share a row"));
-    w |= bit;
+  }
+  const auto repeated = [&](Index id) {
+    for (Index e = 0; e < entries; ++e)
+      if (v.blocks[e] == id)
+        return Status::fail(Status::Code::aliasing, concat(name, ": block ", id, " appears twice in the block table (entry ",
+                                                           e, "): two tokens would share a row"));
+    return Status::ok();
+  };
+  if (v.num_blocks <= 64 * entries + 4096) {  // a bitmap of the pool's ids
+    thread_local std::vector<std::uint64_t> seen;
+    const std::size_t words = static_cast<std::size_t>((v.num_blocks + 63) / 64);
+    if (seen.size() < words) seen.resize(words);
+    std::fill(seen.begin(), seen.begin() + static_cast<std::ptrdiff_t>(words), std::uint64_t(0));
+    for (Index e = 0; e < entries; ++e) {
+      std::uint64_t& w = seen[static_cast<std::size_t>(v.blocks[e] / 64)];
+      const std::uint64_t bit = std::uint64_t(1) << (v.blocks[e] % 64);
+      if (w & bit) return repeated(v.blocks[e]);
+      w |= bit;
+    }
+  } else {  // a pool much larger than the table: the table's ids, sorted
+    thread_local std::vector<std::int32_t> ids;
+    ids.assign(v.blocks, v.blocks + entries);
+    std::sort(ids.begin(), ids.end());
+    for (std::size_t i = 1; i < ids.size(); ++i)
+      if (ids[i] == ids[i - 1]) return repeated(ids[i]);
   }
   return Status::ok();
 }

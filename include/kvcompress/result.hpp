@@ -203,6 +203,16 @@ PagedCompaction compact_paged(const LayerResult<Real>& result, const TensorView<
   const Index used = (n - 1) / b + 1;  // table entries the layer had
   const Index m = result.max_size();
   if (m > n) throw error(concat("compact_paged: the result holds ", m, " entries, the cache ", n));
+  if (H != keys.heads) throw error(concat("compact_paged: the result has ", H, " heads, the cache ", keys.heads));
+  if (stored.data != nullptr && (stored.heads != H || stored.length != n || (H > 1 && stored.head_stride < n)))
+    throw error(concat("compact_paged: stored positions [", stored.heads, "][", stored.length, "] (head stride ",
+                       stored.head_stride, ") do not describe the cache's [", H, "][", n, "] entries"));
+  if (m == 0) {  // nothing kept: every page is freed
+    PagedCompaction none;
+    none.lengths.assign(static_cast<std::size_t>(H), 0);
+    none.freed.assign(block_table, block_table + used);
+    return none;
+  }
   // Each kept entry's index in the cache, from its stored position, per head.
   std::vector<std::vector<Index>> index(static_cast<std::size_t>(H));
   for (Index g = 0; g < H; ++g) {
@@ -214,7 +224,7 @@ PagedCompaction compact_paged(const LayerResult<Real>& result, const TensorView<
         idx[i] = pos[i];
       } else {
         const Index* first = stored.data + g * stored.head_stride;
-        const Index* last = first + std::min(stored.length, n);
+        const Index* last = first + n;
         const Index* at = std::lower_bound(first, last, pos[i]);
         if (at == last || *at != pos[i])
           throw error(concat("compact_paged: kept position ", pos[i], " of head ", g,

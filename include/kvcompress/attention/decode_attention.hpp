@@ -86,7 +86,7 @@ void decode_tile_scores(const float* q, const TensorView<const T>& keys, Index g
   alignas(32) float s[8];
   Index j = 0;
   for (; j + 2 <= len; j += 2) {
-    const Index ahead = prefetch && i0 + j + 1 + kDecodePrefetchRows < t && keys.contiguous(i0 + j + 1, kDecodePrefetchRows + 1)
+    const Index ahead = prefetch && i0 + j + 1 + kDecodePrefetchRows < t && keys.contiguous(i0 + j, kDecodePrefetchRows + 2)
                             ? kDecodePrefetchRows * keys.token_stride
                             : 0;
     const T* k[2] = {keys.row(g, i0 + j), keys.row(g, i0 + j + 1)};

@@ -156,10 +156,11 @@ void window_logits(const LayerView<T>& layer, Index g, const RowMatrix<Real>& qg
   const Index n = layer.tokens(), d = layer.head_dim();
   const Real scale = static_cast<Real>(args.resolved_scale(d));
   logits.resize(qg.rows(), n);
-  if (std::is_same_v<T, Real> && !layer.keys.paged()) {
-    RowMatrix<Real> unused;
-    logits.noalias() = scale * (qg * detail::rows_at<Real>(layer.keys, g, 0, n, unused).transpose());  // in place
-  } else {  // another element type, or a paged cache: a tile of rows at a time
+  if (std::is_same_v<T, Real>) {
+    // In place; a paged cache's head is gathered once, so that the product (and its rounding) is the same.
+    RowMatrix<Real> gathered;
+    logits.noalias() = scale * (qg * detail::rows_at<Real>(layer.keys, g, 0, n, gathered).transpose());
+  } else {  // another element type: a tile of rows at a time
     RowMatrix<Real> tile(std::min<Index>(detail::kKeyTile, n), d);
     for (Index j0 = 0; j0 < n; j0 += detail::kKeyTile) {
       const Index cnt = std::min<Index>(detail::kKeyTile, n - j0);
@@ -455,10 +456,11 @@ namespace detail {
 template <class Real, class T>
 void probabilities_times_values(const LayerView<T>& layer, Index g, const RowMatrix<Real>& A, RowMatrix<Real>& Y) {
   const Index n = layer.tokens(), d = layer.head_dim();
-  if (std::is_same_v<T, Real> && !layer.values.paged()) {
-    RowMatrix<Real> unused;
-    Y.noalias() = A * rows_at<Real>(layer.values, g, 0, n, unused);  // in place
-  } else {  // another element type, or a paged cache: a tile of rows at a time
+  if (std::is_same_v<T, Real>) {
+    // In place; a paged cache's head is gathered once, so that the product (and its rounding) is the same.
+    RowMatrix<Real> gathered;
+    Y.noalias() = A * rows_at<Real>(layer.values, g, 0, n, gathered);
+  } else {  // another element type: a tile of rows at a time
     Y.setZero(A.rows(), d);
     RowMatrix<Real> tile(std::min<Index>(kKeyTile, n), d);
     for (Index j0 = 0; j0 < n; j0 += kKeyTile) {

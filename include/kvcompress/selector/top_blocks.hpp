@@ -25,7 +25,8 @@ inline const char* to_string(BlockScore s) { return s == BlockScore::mean ? "mea
 /// and the last f.recent entries are kept (sinks and recent rounded to whole blocks); the other blocks
 /// follow in order of their score (descending, NaN last, ties to the lower block), each kept whole
 /// when it fits in what is left of m. So a head keeps at most m entries plus the rounding of the forced
-/// blocks (< 2b), possibly fewer than m when no remaining block fits (the result's lengths report it).
+/// blocks (< 2b), possibly fewer than m when no remaining block fits (the result's lengths report it),
+/// and never nothing: when no block fits at all (m < b, nothing forced) the best block is kept whole.
 /// O(Hkv·n + (n/b) log(n/b)).
 template <Index DefaultBlock = 16, Index DefaultSinks = 0, Index DefaultRecent = 0>
 struct TopBlocks {
@@ -83,7 +84,8 @@ struct TopBlocks {
         keep[static_cast<std::size_t>(k)] = 1;
         left -= std::min(k * b + b, n) - k * b;
       };
-      const Index sink_blocks = (f.sinks + b - 1) / b, recent_from = f.recent > 0 ? (n - f.recent) / b : blocks;
+      const Index sink_blocks = f.sinks > 0 ? (f.sinks - 1) / b + 1 : 0;
+      const Index recent_from = f.recent > 0 ? (n - f.recent) / b : blocks;
       for (Index k = 0; k < blocks; ++k)
         if (k < sink_blocks || k >= recent_from) take(k);
       std::vector<Index> order;
@@ -94,6 +96,7 @@ struct TopBlocks {
       });
       for (Index k : order)
         if (std::min(k * b + b, n) - k * b <= left) take(k);
+      if (std::find(keep.begin(), keep.end(), char(1)) == keep.end()) take(order.front());  // m < b: the best block
     }
     out.kept[0].clear();
     out.evicted[0].clear();

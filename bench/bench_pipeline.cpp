@@ -3,6 +3,9 @@
 // process), tokens/s, peak extra heap memory of one run, CG iterations for GRKV; and 1 vs 2 threads.
 #include "bench_common.hpp"
 
+#include <numeric>
+#include <random>
+
 namespace {
 
 using namespace kvc;
@@ -46,6 +49,48 @@ void BM_Pipeline(benchmark::State& state) {
   set_layer_counters(state, n, total / double(state.iterations()));
   state.counters["peak_extra_MB"] = peak_extra / 1e6;  // includes the returned result (m·d per head)
   if (cg_iterations > 0) state.counters["cg_iters"] = cg_iterations;
+}
+
+/// BM_Pipeline over the same layer held in a paged cache: pages of b = range(1) entries,
+/// [pages][b][H][d] (vLLM's layout), in shuffled order, read in place through the block table. The
+/// result is BM_Pipeline's bit for bit (tests/paged_test.cpp); `x_contiguous` = this time over
+/// BM_Pipeline's in the same process (measured alternately here).
+template <class Preset>
+void BM_PipelinePaged(benchmark::State& state) {
+  const Index n = state.range(0), b = state.range(1);
+  const BenchLayer& flat = layer_of(n);
+  const Index H = flat.kv_heads, d = flat.dim, pages = (n + b - 1) / b;
+  CacheBuffer<float> keys(static_cast<std::size_t>(pages * b * H * d)), values(keys.size());
+  std::vector<std::int32_t> table(static_cast<std::size_t>(pages));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(3));
+  for (Index g = 0; g < H; ++g)
+    for (Index j = 0; j < n; ++j) {
+      const Index at = ((table[static_cast<std::size_t>(j / b)] * b + j % b) * H + g) * d;
+      std::copy_n(flat.keys.data() + (g * n + j) * d, d, keys.data() + at);
+      std::copy_n(flat.values.data() + (g * n + j) * d, d, values.data() + at);
+    }
+  LayerView<float> paged = flat.view();
+  paged.keys = make_paged_token_major<const float>(keys.data(), pages, b, H, d, table.data(), n);
+  paged.values = make_paged_token_major<const float>(values.data(), pages, b, H, d, table.data(), n);
+  const LayerView<float> contiguous = flat.view();
+  gemm_seconds(n);
+  const Preset preset;
+  double total = 0, total_flat = 0;
+  for (auto _ : state) {
+    double t0 = thread_seconds();
+    auto r = preset.run(paged, Budget::ratio(0.25));
+    const double t = thread_seconds() - t0;
+    benchmark::DoNotOptimize(r.heads.data());
+    t0 = thread_seconds();
+    auto f = preset.run(contiguous, Budget::ratio(0.25));
+    total_flat += thread_seconds() - t0;
+    benchmark::DoNotOptimize(f.heads.data());
+    total += t;
+    state.SetIterationTime(t);
+  }
+  set_layer_counters(state, n, total / double(state.iterations()));
+  state.counters["x_contiguous"] = total / total_flat;
 }
 
 /// The steady state of an engine compressing layer after layer: run(layer, budget, out, ws) with the
@@ -253,6 +298,8 @@ BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKVMergeAll)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SnapKVGRKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKVEvictGRKV)->Apply(kvc::bench::layer_sizes);
+BENCHMARK_TEMPLATE(BM_PipelinePaged, kvc::SnapKV)->Args({4096, 16})->Args({32768, 16})->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_PipelinePaged, kvc::SelKV)->Args({4096, 16})->Args({32768, 16})->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::StreamingLLM)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SelKV)->Apply(kvc::bench::layer_sizes);

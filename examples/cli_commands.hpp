@@ -277,7 +277,7 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   std::ptrdiff_t entries_before = 0, entries_after = 0;  // cache entries over all layers and KV heads
   engine::RunStats stats;
   auto run = [&](const engine::Compression* compress) {
-    engine::Session s(model);
+    engine::Session s(model, 0, compress ? opts.block_size.value_or(0) : 0);  // --block-size: a paged cache
     std::vector<float> logits;
     if (compress && (compress->chunked || compress->decoding)) s.keep_queries(window);
     if (compress && compress->chunked) {
@@ -305,7 +305,7 @@ inline int cmd_generate(Args& a, std::ostream& out) {
       logits = s.forward(next);
       if (decoding) s.compress_grown(decoding);
     }
-    if (compress) stats = {s.peak_length(), s.compressions()};
+    if (compress) stats = {s.peak_length(), s.compressions(), s.pages_freed()};
     return toks;
   };
   const std::vector<int> full = run(nullptr);
@@ -333,6 +333,9 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   if (growth.prefill_chunk > 0 || growth.decode_budget > 0)
     out << "peak entries per layer and head: " << stats.peak_entries << "; compressions per layer: "
         << double(stats.compressions) / layers << "\n";
+  if (opts.block_size)
+    out << "paged cache, pages of " << *opts.block_size << " entries: " << stats.pages_freed
+        << " pages given back by compression over all layers\n";
   if (diverge == full.size() && full.size() == comp.size())
     out << "identical over " << full.size() << " tokens\n";
   else
@@ -350,6 +353,8 @@ struct EvalRow {
   double kept = 0;  // entries kept / entries before, over every compression, layer, KV head and sequence
   Index peak_entries = 0;  // the most entries a KV head of a layer held
   double compressions = 0;  // compressions per layer and sequence
+  Index page_size = 0;      // > 0: the cache was paged
+  double pages_freed = 0;   // pages given back per sequence, over all layers
   bool has_pair = false;
   double seconds = 0;
 };
@@ -361,6 +366,7 @@ inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vect
                                      const GrowthOptions& growth = {}) {
   engine::EvalConfig cfg = config;
   cfg.prefill_chunk = growth.prefill_chunk;
+  cfg.page_size = opts.block_size.value_or(0);  // whole pages of the block size kept or freed
   engine::TeacherForcedEval ev(model, seqs, cfg);
   const int layers = model.config().n_layers;
   std::vector<EvalRow> rows;
@@ -418,6 +424,8 @@ inline std::vector<EvalRow> run_eval(const engine::Model& model, const std::vect
       row.kept = all_entries > 0 ? kept_entries / all_entries : 0.0;
       row.peak_entries = res.peak_entries;
       row.compressions = res.compressions;
+      row.page_size = cfg.page_size;
+      row.pages_freed = res.pages_freed;
       rows.push_back(row);
       results.push_back(res);
       ++done;
@@ -470,6 +478,7 @@ inline void print_json(const std::vector<EvalRow>& rows, std::ostream& out) {
     if (r.has_pair) out << ", \"kl_minus_snapkv\": " << iv(r.kl_vs_snapkv);
     out << ", \"kept\": " << r.kept << ", \"peak_entries\": " << r.peak_entries
         << ", \"compressions\": " << r.compressions;
+    if (r.page_size > 0) out << ", \"page_size\": " << r.page_size << ", \"pages_freed\": " << r.pages_freed;
     out << ", \"seconds\": " << r.seconds << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
   }
   out << "]\n";

@@ -155,7 +155,7 @@ inline Composed::Arguments composed_arguments(const std::string& method, const M
             blocks.args.pooling = p.args.pooling;
           } else {
             throw std::invalid_argument("--block-size does not apply to method '" + label +
-                                        "': it keeps entries without ranking them");
+                                        "': its selector keeps everything or a threshold's outcome, not a budget of ranked entries");
           }
         },
         c.selector.policy);

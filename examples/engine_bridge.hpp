@@ -12,12 +12,18 @@
 
 namespace kvc::cli {
 
-/// Zero-copy view of one engine layer: keys/values [Hkv][capacity][d] (first n rows used),
-/// queries [Hq][W][d], and the entries' positions, bias and the layer's W_o when the engine gives them.
+/// Zero-copy view of one engine layer: keys/values [Hkv][capacity][d] (first n rows used), or the
+/// pages of a paged session through its block table, queries [Hq][W][d], and the entries' positions,
+/// bias and the layer's W_o when the engine gives them.
 inline LayerView<float> view_of(const engine::LayerInput& in) {
   LayerView<float> layer;
-  layer.keys = {in.keys, in.Hkv, in.n, in.d, in.head_stride, in.d};
-  layer.values = {in.values, in.Hkv, in.n, in.d, in.head_stride, in.d};
+  if (in.blocks) {
+    layer.keys = make_paged_token_major(in.keys, in.num_blocks, in.block_size, in.Hkv, in.d, in.blocks, in.n);
+    layer.values = make_paged_token_major(in.values, in.num_blocks, in.block_size, in.Hkv, in.d, in.blocks, in.n);
+  } else {
+    layer.keys = {in.keys, in.Hkv, in.n, in.d, in.head_stride, in.d};
+    layer.values = {in.values, in.Hkv, in.n, in.d, in.head_stride, in.d};
+  }
   layer.queries = {in.queries, in.Hq, in.W, in.d, in.queries_head_stride > 0 ? in.queries_head_stride : in.W * in.d, in.d};
   if (in.positions) layer.positions = {in.positions, in.Hkv, in.n, in.state_stride};
   if (in.bias) layer.bias = {in.bias, in.Hkv, in.n, in.state_stride};

@@ -74,6 +74,7 @@ struct EvalResult {
   double mean_kl = 0, mean_top1 = 0, mean_delta_nll = 0;  ///< means over sequences
   std::ptrdiff_t peak_entries = 0;  ///< the most entries any KV head of any layer held, over sequences
   double compressions = 0;          ///< layer compressions per sequence and layer, mean over sequences
+  double pages_freed = 0;           ///< pages a paged cache gave back per sequence, mean over sequences
   std::vector<double> mean_kl_by_step;                     ///< [steps] KL per step, mean over sequences
 
   /// The per-sequence values of one metric (input to the bootstrap helpers).
@@ -94,6 +95,8 @@ struct EvalConfig {
   /// > 0: the prefix is fed in chunks of this many tokens (the full-cache reference too), and the
   /// cache compressed after each (Compression::chunked) instead of once after the prefix.
   std::ptrdiff_t prefill_chunk = 0;
+  /// > 0: the compressed runs keep their cache in pages of this many entries (Session's paged cache).
+  std::ptrdiff_t page_size = 0;
 };
 
 /// How a run compresses the cache. `once`: after an unchunked prefix (Session::compress). `chunked`:
@@ -109,6 +112,7 @@ struct Compression {
 struct RunStats {
   std::ptrdiff_t peak_entries = 0;  ///< Session::peak_length()
   std::ptrdiff_t compressions = 0;  ///< Session::compressions()
+  std::ptrdiff_t pages_freed = 0;   ///< Session::pages_freed()
 };
 
 /// Teacher-forced comparison of a compressed cache with the full cache on fixed sequences.
@@ -187,7 +191,7 @@ class TeacherForcedEval {
       throw std::invalid_argument("kvc::engine: a chunked prefill compresses after each chunk (Compression::chunked), not once");
     if (C <= 0 && plan.chunked)
       throw std::invalid_argument("kvc::engine: Compression::chunked needs EvalConfig::prefill_chunk > 0");
-    Session session(*model_);
+    Session session(*model_, 0, config_.page_size);
     const std::vector<int> prefix(seq.begin(), seq.begin() + P);
     std::vector<float> logits;
     if (C > 0 || plan.decoding) session.keep_queries(config_.window);
@@ -214,7 +218,7 @@ class TeacherForcedEval {
       const std::vector<double> lp = log_softmax(logits);
       out.insert(out.end(), lp.begin(), lp.end());
     }
-    if (stats) *stats = {session.peak_length(), session.compressions()};
+    if (stats) *stats = {session.peak_length(), session.compressions(), session.pages_freed()};
     return out;
   }
 
@@ -237,6 +241,7 @@ class TeacherForcedEval {
       RunStats stats;
       const std::vector<double> q = log_probs(s, plan, &stats);
       result.peak_entries = std::max(result.peak_entries, stats.peak_entries);
+      result.pages_freed += static_cast<double>(stats.pages_freed) / static_cast<double>(sequences_.size());
       result.compressions += static_cast<double>(stats.compressions) /
                              (static_cast<double>(model_->config().n_layers) * static_cast<double>(sequences_.size()));
       const std::vector<double>& p = reference_[s];

@@ -574,7 +574,9 @@ class Tokenizer {
 // ---------------------------------------------------------------------------------------------
 
 /// One layer's cache handed to a compressor. keys/values: element (g, j, c) at
-/// `g * head_stride + j * d + c` for g < Hkv, j < n, c < d (post-RoPE keys as cached).
+/// `g * head_stride + j * d + c` for g < Hkv, j < n, c < d (post-RoPE keys as cached); in a paged
+/// session (`blocks` non-null) they are pools [num_blocks][block_size][Hkv][d] and entry j lives in
+/// row j % block_size of block blocks[j / block_size] (key_row, value_row).
 /// queries: [Hq][W][d], row w of head h at `h * queries_head_stride + w * d` (0: W * d), the
 /// post-RoPE queries of the tokens at cache entries n-W .. n-1 (SPEC §1 Qw).
 /// positions, bias: [Hkv][n] with head stride `state_stride`, each entry's RoPE position and additive
@@ -592,6 +594,18 @@ struct LayerInput {
   std::ptrdiff_t state_stride = 0;  ///< elements between heads in positions and bias
   const float* wo = nullptr;  ///< the layer's output projection [dim][Hq·d] (row-major, as the checkpoint's)
   std::ptrdiff_t dim = 0;     ///< its rows, the model dimension
+  const std::int32_t* blocks = nullptr;  ///< paged session: the layer's block table
+  std::ptrdiff_t block_size = 0, num_blocks = 0;
+
+  /// The d keys / values of entry j of KV head g.
+  const float* key_row(std::ptrdiff_t g, std::ptrdiff_t j) const { return row(keys, g, j); }
+  const float* value_row(std::ptrdiff_t g, std::ptrdiff_t j) const { return row(values, g, j); }
+
+ private:
+  const float* row(const float* base, std::ptrdiff_t g, std::ptrdiff_t j) const {
+    if (blocks == nullptr) return base + g * head_stride + j * d;
+    return base + ((static_cast<std::ptrdiff_t>(blocks[j / block_size]) * block_size + j % block_size) * Hkv + g) * d;
+  }
 };
 
 /// A compressor's result for one layer. keys/values: [Hkv][m][d]; bias: [Hkv][m] additive logit bias
@@ -626,11 +640,11 @@ inline LayerCompressor full_compressor() {
     out.keys.resize(count);
     out.values.resize(count);
     out.bias.assign(static_cast<std::size_t>(in.Hkv * in.n), 0.0f);
-    for (std::ptrdiff_t g = 0; g < in.Hkv; ++g) {
-      const std::ptrdiff_t rows = in.n * in.d;
-      std::copy(in.keys + g * in.head_stride, in.keys + g * in.head_stride + rows, out.keys.begin() + g * rows);
-      std::copy(in.values + g * in.head_stride, in.values + g * in.head_stride + rows, out.values.begin() + g * rows);
-    }
+    for (std::ptrdiff_t g = 0; g < in.Hkv; ++g)
+      for (std::ptrdiff_t j = 0; j < in.n; ++j) {
+        std::copy_n(in.key_row(g, j), in.d, out.keys.begin() + (g * in.n + j) * in.d);
+        std::copy_n(in.value_row(g, j), in.d, out.values.begin() + (g * in.n + j) * in.d);
+      }
     return out;
   };
 }
@@ -646,22 +660,33 @@ inline LayerCompressor full_compressor() {
 /// newest tokens. Head g's entries are its slots 0 .. length(layer, g) − 1; a new token goes to slot
 /// length(layer, g) of every head g. One RoPE position counter `position()` for the next token; after
 /// compression the lengths may be smaller than it.
+///
+/// Paged (page_size > 0): each layer keeps its keys and values in pages of page_size entries from a
+/// pool of its own, [pages][page_size][Hkv][d] (vLLM's layout), listed in order by the layer's block
+/// table; a page is taken when the cache grows into it, and a compression gives back the pages it no
+/// longer needs: whole pages when it kept whole pages (block granularity), else the pages past its
+/// longest head. The compressor reads the pages in place (LayerInput::blocks).
 class Session {
  public:
   using MatRM = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-  /// capacity: cache slots per head (0 = the model's seq_len).
-  explicit Session(const Model& model, std::ptrdiff_t capacity = 0) : model_(&model) {
+  /// capacity: cache slots per head (0 = the model's seq_len); page_size: entries per page of a paged
+  /// cache (0 = one contiguous [Hkv][capacity][d] buffer per layer).
+  explicit Session(const Model& model, std::ptrdiff_t capacity = 0, std::ptrdiff_t page_size = 0) : model_(&model) {
     const Config& c = model.config();
+    if (page_size < 0) throw std::invalid_argument("kvc::engine: page_size must be >= 0, got " + std::to_string(page_size));
     capacity_ = capacity > 0 ? capacity : c.seq_len;
     d_ = c.head_size();
+    page_ = page_size;
+    const std::ptrdiff_t pages = page_ > 0 ? (capacity_ + page_ - 1) / page_ : 0;
     layers_.resize(static_cast<std::size_t>(c.n_layers));
     for (LayerState& s : layers_) {
-      s.keys.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_ * d_), 0.0f);
+      s.keys.assign(static_cast<std::size_t>(c.n_kv_heads * (page_ > 0 ? pages * page_ : capacity_) * d_), 0.0f);
       s.len.assign(static_cast<std::size_t>(c.n_kv_heads), 0);
       s.values.assign(s.keys.size(), 0.0f);
       s.bias.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_), 0.0f);
       s.positions.assign(static_cast<std::size_t>(c.n_kv_heads * capacity_), 0);
+      for (std::ptrdiff_t p = pages - 1; p >= 0; --p) s.free_pages.push_back(static_cast<std::int32_t>(p));
     }
   }
 
@@ -690,12 +715,20 @@ class Session {
     return total;
   }
   std::ptrdiff_t head_dim() const { return d_; }
-  std::ptrdiff_t head_stride() const { return capacity_ * d_; }  ///< elements between heads in keys/values
+  std::ptrdiff_t head_stride() const { return capacity_ * d_; }  ///< elements between heads in keys/values (contiguous)
+  std::ptrdiff_t page_size() const { return page_; }  ///< entries per page (0: contiguous cache)
+  /// Pages `layer` holds now (paged sessions).
+  std::ptrdiff_t pages_in_use(int layer) const { return static_cast<std::ptrdiff_t>(state(layer).table.size()); }
+  /// Pages given back by compressions since the session was created or reset, over all layers.
+  std::ptrdiff_t pages_freed() const { return pages_freed_; }
+  /// The d keys / values of entry i of KV head g of `layer` (either layout).
+  const float* key_row(int layer, int g, std::ptrdiff_t i) const { return row(state(layer), state(layer).keys, g, i); }
+  const float* value_row(int layer, int g, std::ptrdiff_t i) const { return row(state(layer), state(layer).values, g, i); }
   std::ptrdiff_t window() const { return window_; }              ///< rows of the recorded window queries
   bool window_valid() const { return window_valid_; }            ///< queries describe the current cache tail
 
-  const float* keys(int layer) const { return state(layer).keys.data(); }      // [Hkv][capacity][d]
-  const float* values(int layer) const { return state(layer).values.data(); }  // [Hkv][capacity][d]
+  const float* keys(int layer) const { return state(layer).keys.data(); }      // [Hkv][capacity][d] (contiguous)
+  const float* values(int layer) const { return state(layer).values.data(); }  // [Hkv][capacity][d] (contiguous)
   const float* bias(int layer) const { return state(layer).bias.data(); }      // [Hkv][capacity]
   const float* queries(int layer) const { return state(layer).queries.data(); }  // [Hq][W][d]
 
@@ -707,8 +740,11 @@ class Session {
       std::fill(s.bias.begin(), s.bias.end(), 0.0f);
       s.queries.clear();
       s.tail = 0;
+      for (auto it = s.table.rbegin(); it != s.table.rend(); ++it) s.free_pages.push_back(*it);
+      s.table.clear();
     }
     pos_ = 0;
+    pages_freed_ = 0;
     ring_filled_ = 0;
     compressions_ = 0;
     peak_ = 0;
@@ -802,6 +838,7 @@ class Session {
     in.head_stride = head_stride();
     in.wo = model_->layer(layer).wo;
     in.dim = c.dim;
+    set_pages(s, in);
     return in;
   }
 
@@ -896,6 +933,7 @@ class Session {
     in.positions = s.positions.data();
     in.bias = s.bias.data();
     in.state_stride = capacity_;
+    set_pages(s, in);
     return in;
   }
 
@@ -938,7 +976,38 @@ class Session {
     std::vector<std::ptrdiff_t> positions;  // [Hkv][capacity] RoPE position of each entry
     std::vector<float> ring;                // [Hq][ring_rows_][d] queries of the newest tokens, oldest first
     std::ptrdiff_t tail = 0;                // the last `tail` entries of every head are the newest tokens, in order
+    std::vector<std::int32_t> table;        // paged: the layer's pages in order
+    std::vector<std::int32_t> free_pages;   // paged: pages of the pool not in the table
   };
+
+  /// Pointer to entry i of KV head g in `base` (s.keys or s.values), either layout.
+  template <class F>
+  F* row(const LayerState& s, std::vector<F>& base, int g, std::ptrdiff_t i) const {
+    if (page_ == 0) return base.data() + g * head_stride() + i * d_;
+    const std::ptrdiff_t Hkv = model_->config().n_kv_heads;
+    return base.data() + ((static_cast<std::ptrdiff_t>(s.table[static_cast<std::size_t>(i / page_)]) * page_ + i % page_) * Hkv + g) * d_;
+  }
+  template <class F>
+  const F* row(const LayerState& s, const std::vector<F>& base, int g, std::ptrdiff_t i) const {
+    return row(s, const_cast<std::vector<F>&>(base), g, i);
+  }
+
+  void set_pages(const LayerState& s, LayerInput& in) const {
+    if (page_ == 0) return;
+    in.blocks = s.table.data();
+    in.block_size = page_;
+    in.num_blocks = (capacity_ + page_ - 1) / page_;
+    in.head_stride = d_;
+  }
+
+  /// Paged: takes pages from the free list until the table covers `entries` entries.
+  void ensure_pages(LayerState& s, std::ptrdiff_t entries) {
+    while (page_ > 0 && static_cast<std::ptrdiff_t>(s.table.size()) * page_ < entries) {
+      if (s.free_pages.empty()) throw std::runtime_error("kvc::engine: no free page left");
+      s.table.push_back(s.free_pages.back());
+      s.free_pages.pop_back();
+    }
+  }
 
   /// The checks every compressor result passes before anything is written.
   void check_result(int l, const CompressedLayer& r) const {
@@ -991,17 +1060,61 @@ class Session {
     }
   }
 
+  /// Paged: the table for a checked result r of layer s, before r is written. When every head kept
+  /// the same entries and they are whole pages (entry i at row i % page of the page that new page
+  /// i / page is; found from their RoPE positions), the table lists those pages and each entry is
+  /// written onto itself; otherwise the first pages stay, rows 0..m−1 are rewritten through them. The
+  /// pages no longer listed go back to the free list.
+  void repage(LayerState& s, const CompressedLayer& r) {
+    const std::ptrdiff_t Hkv = model_->config().n_kv_heads, n = s.len[0];
+    std::vector<std::ptrdiff_t> at(static_cast<std::size_t>(r.m), -1);  // entry i's index in the cache
+    bool whole = !r.positions.empty() && r.m > 0;
+    for (std::ptrdiff_t g = 0; g < Hkv && whole; ++g) {
+      const std::ptrdiff_t len = r.lengths.empty() ? r.m : r.lengths[static_cast<std::size_t>(g)];
+      const std::ptrdiff_t* first = s.positions.data() + g * capacity_;
+      const std::ptrdiff_t* last = first + s.len[static_cast<std::size_t>(g)];
+      whole = len == r.m && s.len[static_cast<std::size_t>(g)] == n;
+      for (std::ptrdiff_t i = 0; i < r.m && whole; ++i) {
+        const std::ptrdiff_t p = r.positions[static_cast<std::size_t>(g * r.m + i)];
+        const std::ptrdiff_t* hit = std::lower_bound(first, last, p);
+        const std::ptrdiff_t j = hit != last && *hit == p ? hit - first : -1;
+        whole = j >= 0 && (g == 0 || at[static_cast<std::size_t>(i)] == j);
+        at[static_cast<std::size_t>(i)] = j;
+      }
+    }
+    for (std::ptrdiff_t i = 0; i < r.m && whole; ++i)
+      whole = at[static_cast<std::size_t>(i)] % page_ == i % page_ &&
+              (i % page_ == 0 || at[static_cast<std::size_t>(i)] == at[static_cast<std::size_t>(i - 1)] + 1);
+    const std::ptrdiff_t keep = (r.m + page_ - 1) / page_;
+    std::vector<std::int32_t> table;
+    if (whole) {
+      for (std::ptrdiff_t k = 0; k < keep; ++k)
+        table.push_back(s.table[static_cast<std::size_t>(at[static_cast<std::size_t>(k * page_)] / page_)]);
+    } else {
+      table.assign(s.table.begin(), s.table.begin() + std::min<std::ptrdiff_t>(keep, static_cast<std::ptrdiff_t>(s.table.size())));
+    }
+    for (const std::int32_t p : s.table)
+      if (std::find(table.begin(), table.end(), p) == table.end()) {
+        s.free_pages.push_back(p);
+        ++pages_freed_;
+      }
+    s.table = std::move(table);
+  }
+
   /// Writes a checked result into layer l (position() already final) and finds its tail: the last
   /// entries of every head that are the newest tokens, in order.
   void write_layer(int l, const CompressedLayer& r) {
     const Config& c = model_->config();
     LayerState& s = layers_[static_cast<std::size_t>(l)];
+    if (page_ > 0) repage(s, r);
     std::ptrdiff_t tail = std::numeric_limits<std::ptrdiff_t>::max();
     for (std::ptrdiff_t g = 0; g < c.n_kv_heads; ++g) {
       const std::ptrdiff_t rows = r.m * d_;
       const std::ptrdiff_t len = r.lengths.empty() ? r.m : r.lengths[static_cast<std::size_t>(g)];
-      std::copy(r.keys.begin() + g * rows, r.keys.begin() + (g + 1) * rows, s.keys.begin() + g * head_stride());
-      std::copy(r.values.begin() + g * rows, r.values.begin() + (g + 1) * rows, s.values.begin() + g * head_stride());
+      for (std::ptrdiff_t i = 0; i < r.m; ++i) {
+        std::copy_n(r.keys.begin() + g * rows + i * d_, d_, row(s, s.keys, static_cast<int>(g), i));
+        std::copy_n(r.values.begin() + g * rows + i * d_, d_, row(s, s.values, static_cast<int>(g), i));
+      }
       float* b = s.bias.data() + g * capacity_;
       std::fill(b, b + capacity_, 0.0f);
       if (!r.bias.empty()) std::copy(r.bias.begin() + g * r.m, r.bias.begin() + (g + 1) * r.m, b);
@@ -1105,13 +1218,14 @@ class Session {
       linear(xb, w.wq, dim, q);
       linear(xb, w.wk, c.kv_dim(), k);
       linear(xb, w.wv, c.kv_dim(), v);
+      ensure_pages(s, *std::max_element(s.len.begin(), s.len.end()) + T);
       for (std::ptrdiff_t t = 0; t < T; ++t) {
         rope_rotate(q.row(t).data(), Hq, static_cast<int>(d), pos_ + t);
         rope_rotate(k.row(t).data(), Hkv, static_cast<int>(d), pos_ + t);
         for (int g = 0; g < Hkv; ++g) {
           const std::ptrdiff_t slot = s.len[static_cast<std::size_t>(g)] + t;
-          std::copy(k.row(t).data() + g * d, k.row(t).data() + (g + 1) * d, s.keys.data() + g * head_stride() + slot * d);
-          std::copy(v.row(t).data() + g * d, v.row(t).data() + (g + 1) * d, s.values.data() + g * head_stride() + slot * d);
+          std::copy(k.row(t).data() + g * d, k.row(t).data() + (g + 1) * d, row(s, s.keys, g, slot));
+          std::copy(v.row(t).data() + g * d, v.row(t).data() + (g + 1) * d, row(s, s.values, g, slot));
           s.bias[static_cast<std::size_t>(g * capacity_ + slot)] = 0.0f;
           s.positions[static_cast<std::size_t>(g * capacity_ + slot)] = pos_ + t;
         }
@@ -1139,13 +1253,12 @@ class Session {
           const int g = h / G;
           const std::ptrdiff_t visible = s.len[static_cast<std::size_t>(g)] + t + 1;
           const float* qh = q.row(t).data() + h * d;
-          const float* kg = s.keys.data() + g * head_stride();
-          const float* vg = s.values.data() + g * head_stride();
           const float* bg = s.bias.data() + g * capacity_;
           float mx = -std::numeric_limits<float>::infinity();
           for (std::ptrdiff_t j = 0; j < visible; ++j) {
+            const float* kj = row(s, s.keys, g, j);
             float dot = 0;
-            for (std::ptrdiff_t i = 0; i < d; ++i) dot += qh[i] * kg[j * d + i];
+            for (std::ptrdiff_t i = 0; i < d; ++i) dot += qh[i] * kj[i];
             scores[static_cast<std::size_t>(j)] = scale * dot + bg[j];
             mx = std::max(mx, scores[static_cast<std::size_t>(j)]);
           }
@@ -1159,7 +1272,8 @@ class Session {
           std::fill(o, o + d, 0.0f);
           for (std::ptrdiff_t j = 0; j < visible; ++j) {
             const float p = scores[static_cast<std::size_t>(j)] / sum;
-            for (std::ptrdiff_t i = 0; i < d; ++i) o[i] += p * vg[j * d + i];
+            const float* vj = row(s, s.values, g, j);
+            for (std::ptrdiff_t i = 0; i < d; ++i) o[i] += p * vj[i];
           }
         }
       }
@@ -1202,6 +1316,7 @@ class Session {
   bool window_valid_ = false;
   std::ptrdiff_t ring_rows_ = 0, ring_filled_ = 0;
   std::ptrdiff_t compressions_ = 0, peak_ = 0;
+  std::ptrdiff_t page_ = 0, pages_freed_ = 0;
   std::vector<LayerState> layers_;
 };
 

@@ -253,6 +253,79 @@ TEST_CASE("generate and eval compress while the cache grows, and refuse what can
   CHECK_THAT(err, Catch::Contains("same number of entries"));
 }
 
+TEST_CASE("a paged engine cache gives the contiguous cache's logits, and block eviction frees its pages",
+          "[engine][model][paged]") {
+  const auto& model = shared_model();
+  const int L = model.config().n_layers;
+  const auto seqs = kvc::engine::sample_sequences(model, 2, 200, 7);
+  kvc::engine::EvalConfig flat;
+  flat.prefix = 128;
+  flat.window = 16;
+  kvc::engine::EvalConfig paged = flat;
+  paged.page_size = 16;
+  const kvc::engine::TeacherForcedEval ev_flat(model, seqs, flat), ev_paged(model, seqs, paged);
+  for (const char* method : {"snapkv", "selkv", "grkv", "adakv-snapkv"}) {
+    for (const bool blocks : {false, true}) {
+      if (blocks && std::string(method) == "adakv-snapkv") continue;  // per-head budgets: no shared pages
+      INFO(method << (blocks ? " --block-size 16" : ""));
+      kvc::cli::MethodOptions o;
+      if (blocks) o.block_size = 16;
+      kvc::engine::Compression once, grown;
+      once.once = kvc::cli::engine_compressor(kvc::cli::make_method(method, o), kvc::Budget::ratio(0.25));
+      if (std::string(method) != "adakv-snapkv")
+        grown.decoding = kvc::cli::grown_compressor(kvc::cli::method_runner(method, o),
+                                                    kvc::cli::decoding_arguments(48, 8, L, flat.window));
+      for (const auto* plan : {&once, &grown}) {
+        if (!plan->once && !plan->decoding) continue;
+        for (std::size_t s = 0; s < seqs.size(); ++s) {
+          kvc::engine::RunStats a, b;
+          CHECK(ev_paged.log_probs(s, *plan, &b) == ev_flat.log_probs(s, *plan, &a));
+          CHECK(a.pages_freed == 0);
+          CHECK(b.pages_freed > 0);
+        }
+      }
+    }
+  }
+  // Pages in use follow the cache: whole pages kept after a block-granular compression.
+  kvc::engine::Session session(model, 0, 16);
+  const std::vector<int> prompt(seqs[0].begin(), seqs[0].begin() + 150);
+  session.prefill(prompt, 16);
+  CHECK(session.pages_in_use(0) == 10);
+  kvc::cli::MethodOptions o;
+  o.block_size = 16;
+  session.compress(kvc::cli::engine_compressor(kvc::cli::make_method("snapkv", o), kvc::Budget::tokens(64)));
+  for (int l = 0; l < L; ++l) {
+    CHECK(session.pages_in_use(l) == (session.length(l) + 15) / 16);
+    CHECK(session.length(l) <= 64 + 2 * 16);
+  }
+  CHECK(session.pages_freed() > 0);
+  for (int t = 0; t < 40; ++t) session.forward(prompt[static_cast<std::size_t>(t)]);
+  CHECK(session.pages_in_use(0) == (session.length(0) + 15) / 16);
+  CHECK_THROWS_AS(kvc::engine::Session(model, 0, -1), std::invalid_argument);
+}
+
+TEST_CASE("generate and eval keep a paged cache with --block-size", "[cli][model][paged]") {
+  std::string out, err;
+  REQUIRE(run({"generate", "--prompt", "Once upon a time there was a girl", "--method", "snapkv", "--ratio", "0.5",
+               "--block-size", "4", "--decode-budget", "16", "--compress-every", "4", "--window", "4",
+               "--max-tokens", "30"},
+              out, err) == 0);
+  CHECK_THAT(out, Catch::Contains("paged cache, pages of 4 entries: "));
+  REQUIRE(run({"eval", "--samples", "2", "--length", "200", "--prefix", "160", "--methods", "snapkv,selkv",
+               "--ratios", "0.25", "--block-size", "16", "--decode-budget", "48", "--compress-every", "16",
+               "--window", "16", "--json", "--quiet"},
+              out, err) == 0);
+  CHECK_THAT(out, Catch::Contains("\"page_size\": 16, \"pages_freed\": "));
+  CHECK(run({"eval", "--samples", "2", "--methods", "threshold", "--block-size", "16", "--quiet"}, out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--block-size does not apply to method 'threshold'"));
+  CHECK(run({"eval", "--samples", "2", "--methods", "snapkv", "--block-size", "16", "--selection", "per-head",
+             "--quiet"},
+            out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--selection must be shared"));
+  CHECK(run({"eval", "--samples", "2", "--methods", "snapkv", "--block-score", "max", "--quiet"}, out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--block-score does not apply"));
+}
+
 namespace {
 const kvc::test::RunOnlyIf needs_model([]() -> std::string {
   const auto dir = kvc::engine::find_model_dir();

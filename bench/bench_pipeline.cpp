@@ -51,13 +51,15 @@ void BM_Pipeline(benchmark::State& state) {
   if (cg_iterations > 0) state.counters["cg_iters"] = cg_iterations;
 }
 
-/// BM_Pipeline over the same layer held in a paged cache: pages of b = range(1) entries,
-/// [pages][b][H][d] (vLLM's layout), in shuffled order, read in place through the block table. The
-/// result is BM_Pipeline's bit for bit (tests/paged_test.cpp); `x_contiguous` = this time over
-/// BM_Pipeline's in the same process (measured alternately here).
+/// BM_Pipeline over the same layer held in a paged cache: pages of b = range(1) entries in shuffled
+/// order, read in place through the block table, laid out [pages][b][H][d] (range(2) = 0, vLLM's
+/// flash layout: a head's rows H·d apart) or [pages][H][b][d] (1, OpenVINO's: b rows of a head
+/// together). The result is BM_Pipeline's bit for bit (tests/paged_test.cpp); `x_contiguous` = this
+/// time over BM_Pipeline's (head-major, contiguous) in the same process, measured alternately.
 template <class Preset>
 void BM_PipelinePaged(benchmark::State& state) {
   const Index n = state.range(0), b = state.range(1);
+  const bool head_major = state.range(2) != 0;
   const BenchLayer& flat = layer_of(n);
   const Index H = flat.kv_heads, d = flat.dim, pages = (n + b - 1) / b;
   CacheBuffer<float> keys(static_cast<std::size_t>(pages * b * H * d)), values(keys.size());
@@ -66,13 +68,19 @@ void BM_PipelinePaged(benchmark::State& state) {
   std::shuffle(table.begin(), table.end(), std::mt19937(3));
   for (Index g = 0; g < H; ++g)
     for (Index j = 0; j < n; ++j) {
-      const Index at = ((table[static_cast<std::size_t>(j / b)] * b + j % b) * H + g) * d;
+      const Index page = table[static_cast<std::size_t>(j / b)];
+      const Index at = head_major ? ((page * H + g) * b + j % b) * d : ((page * b + j % b) * H + g) * d;
       std::copy_n(flat.keys.data() + (g * n + j) * d, d, keys.data() + at);
       std::copy_n(flat.values.data() + (g * n + j) * d, d, values.data() + at);
     }
   LayerView<float> paged = flat.view();
-  paged.keys = make_paged_token_major<const float>(keys.data(), pages, b, H, d, table.data(), n);
-  paged.values = make_paged_token_major<const float>(values.data(), pages, b, H, d, table.data(), n);
+  if (head_major) {
+    paged.keys = make_paged_head_major<const float>(keys.data(), pages, H, b, d, table.data(), n);
+    paged.values = make_paged_head_major<const float>(values.data(), pages, H, b, d, table.data(), n);
+  } else {
+    paged.keys = make_paged_token_major<const float>(keys.data(), pages, b, H, d, table.data(), n);
+    paged.values = make_paged_token_major<const float>(values.data(), pages, b, H, d, table.data(), n);
+  }
   const LayerView<float> contiguous = flat.view();
   gemm_seconds(n);
   const Preset preset;
@@ -298,8 +306,8 @@ BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKVMergeAll)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SnapKVGRKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_Pipeline, kvc::SelKVEvictGRKV)->Apply(kvc::bench::layer_sizes);
-BENCHMARK_TEMPLATE(BM_PipelinePaged, kvc::SnapKV)->Args({4096, 16})->Args({32768, 16})->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(BM_PipelinePaged, kvc::SelKV)->Args({4096, 16})->Args({32768, 16})->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_PipelinePaged, kvc::SnapKV)->ArgsProduct({{4096, 32768}, {16}, {0, 1}})->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_PipelinePaged, kvc::SelKV)->ArgsProduct({{4096, 32768}, {16}, {0, 1}})->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::StreamingLLM)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SnapKV)->Apply(kvc::bench::layer_sizes);
 BENCHMARK_TEMPLATE(BM_PipelineReuse, kvc::SelKV)->Apply(kvc::bench::layer_sizes);

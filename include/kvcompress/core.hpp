@@ -250,14 +250,14 @@ struct TensorView {
   T* row(Index h, Index j) const {
     if (blocks == nullptr) return data + h * head_stride + j * token_stride;
     const Index t = offset + j;
-    return data + static_cast<Index>(blocks[t / block_size]) * block_stride + h * head_stride +
-           (t % block_size) * token_stride;
+    return data + static_cast<Index>(blocks[block_of(t)]) * block_stride + h * head_stride +
+           (t - block_of(t) * block_size) * token_stride;
   }
 
   /// How many rows from token j on lie token_stride apart (all the remaining ones unless paged).
   Index contiguous_from(Index j) const {
     if (blocks == nullptr) return tokens - j;
-    const Index left = block_size - (offset + j) % block_size;
+    const Index t = offset + j, left = (block_of(t) + 1) * block_size - t;
     return left < tokens - j ? left : tokens - j;
   }
   /// Whether rows [first, first + count) lie token_stride apart.
@@ -285,10 +285,23 @@ struct TensorView {
       r.data = data + first * token_stride;
     } else {
       const Index t = offset + first;
-      r.blocks = blocks + t / block_size;
-      r.offset = t % block_size;
+      r.blocks = blocks + block_of(t);
+      r.offset = t - block_of(t) * block_size;
     }
     return r;
+  }
+
+ private:
+  /// t / block_size: a shift when block_size is a power of two (as engines' page sizes are).
+  Index block_of(Index t) const {
+    if ((block_size & (block_size - 1)) != 0) return t / block_size;
+#if defined(__GNUC__) || defined(__clang__)
+    return t >> __builtin_ctzll(static_cast<unsigned long long>(block_size));
+#else
+    Index s = 0;
+    while ((Index(1) << s) < block_size) ++s;
+    return t >> s;
+#endif
   }
 };
 

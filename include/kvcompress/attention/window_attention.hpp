@@ -367,9 +367,9 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
   ws.lane_last.resize(Rp);
   ws.tile_max.resize(Rp);
   for (Index c = 0; c < Rp; ++c) ws.lane_last[c] = static_cast<float>(c < R ? c % W : W);
-  // Float keys are read in place; other types, and tiles of a paged cache that span blocks, are
-  // gathered into ws.key_tile first.
-  if (!std::is_same_v<T, float> || layer.keys.paged()) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
+  // Float keys are read in place (a paged cache's run by run); other types, and a paged cache's tiles
+  // for the AMX product, are gathered into ws.key_tile first.
+  if (!std::is_same_v<T, float> || (layer.keys.paged() && amx)) ws.key_tile.resize(std::min(kSoftmaxTile, n), d);
   const float* bias = nullptr;
   const Index bias_len = head_bias(layer, g, bias);
   bool finite = true;
@@ -383,7 +383,15 @@ bool window_exp_tiles_t(const LayerView<T>& layer, Index g, const AttentionArgum
     float* tile_max = masked || cap > 0.0f || amx || tb_len > 0 ? nullptr : ws.tile_max.data();
     bool in_place = false;
     if constexpr (std::is_same_v<T, float>) {
-      if (layer.keys.contiguous(j0, cnt)) {  // the tile's rows are token_stride apart
+      if (!amx && !layer.keys.contiguous(j0, cnt)) {  // a paged tile: one product per run of rows in a block
+        in_place = true;
+        tile_max = nullptr;  // the softmax finds the maxima itself (the same values)
+        for (Index j = j0, run = 0; j < j0 + cnt; j += run) {
+          run = std::min(layer.keys.contiguous_from(j), j0 + cnt - j);
+          simd::window_logits_t<Arch>(layer.keys.row(g, j), layer.keys.token_stride, run, d, ws.packed.data(), Rp,
+                                      x + (j - j0) * Rp, Rp, nullptr, 0, nullptr);
+        }
+      } else if (layer.keys.contiguous(j0, cnt)) {  // the tile's rows are token_stride apart
         in_place = true;
         const Index run = layer.keys.contiguous_from(j0);  // rows that may be prefetched
         if (amx) {

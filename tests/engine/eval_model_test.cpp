@@ -257,34 +257,35 @@ TEST_CASE("a paged engine cache gives the contiguous cache's logits, and block e
           "[engine][model][paged]") {
   const auto& model = shared_model();
   const int L = model.config().n_layers;
-  const auto seqs = kvc::engine::sample_sequences(model, 2, 200, 7);
+  const auto seqs = kvc::engine::sample_sequences(model, 1, 170, 7);
   kvc::engine::EvalConfig flat;
   flat.prefix = 128;
   flat.window = 16;
   kvc::engine::EvalConfig paged = flat;
   paged.page_size = 16;
   const kvc::engine::TeacherForcedEval ev_flat(model, seqs, flat), ev_paged(model, seqs, paged);
-  for (const char* method : {"snapkv", "selkv", "grkv", "adakv-snapkv"}) {
-    for (const bool blocks : {false, true}) {
-      if (blocks && std::string(method) == "adakv-snapkv") continue;  // per-head budgets: no shared pages
-      INFO(method << (blocks ? " --block-size 16" : ""));
-      kvc::cli::MethodOptions o;
-      if (blocks) o.block_size = 16;
-      kvc::engine::Compression once, grown;
-      once.once = kvc::cli::engine_compressor(kvc::cli::make_method(method, o), kvc::Budget::ratio(0.25));
-      if (std::string(method) != "adakv-snapkv")
-        grown.decoding = kvc::cli::grown_compressor(kvc::cli::method_runner(method, o),
-                                                    kvc::cli::decoding_arguments(48, 8, L, flat.window));
-      for (const auto* plan : {&once, &grown}) {
-        if (!plan->once && !plan->decoding) continue;
-        for (std::size_t s = 0; s < seqs.size(); ++s) {
-          kvc::engine::RunStats a, b;
-          CHECK(ev_paged.log_probs(s, *plan, &b) == ev_flat.log_probs(s, *plan, &a));
-          CHECK(a.pages_freed == 0);
-          CHECK(b.pages_freed > 0);
-        }
-      }
-    }
+  kvc::cli::MethodOptions blocks;
+  blocks.block_size = 16;
+  struct Case {
+    const char* method;
+    kvc::cli::MethodOptions options;
+    bool decoding;
+  };
+  // Whole pages (block granularity) once and while decoding; token granularity, ragged per-head
+  // lengths (AdaKV) and a merging method into the first pages.
+  for (const Case& c : {Case{"snapkv", blocks, false}, Case{"snapkv", blocks, true}, Case{"adakv-snapkv", {}, false},
+                        Case{"grkv", {}, false}}) {
+    INFO(c.method << (c.options.block_size ? " --block-size 16" : "") << (c.decoding ? ", while decoding" : ""));
+    kvc::engine::Compression plan;
+    if (c.decoding)
+      plan.decoding = kvc::cli::grown_compressor(kvc::cli::method_runner(c.method, c.options),
+                                                 kvc::cli::decoding_arguments(48, 8, L, flat.window));
+    else
+      plan.once = kvc::cli::engine_compressor(kvc::cli::make_method(c.method, c.options), kvc::Budget::ratio(0.25));
+    kvc::engine::RunStats a, b;
+    CHECK(ev_paged.log_probs(0, plan, &b) == ev_flat.log_probs(0, plan, &a));
+    CHECK(a.pages_freed == 0);
+    CHECK(b.pages_freed > 0);
   }
   // Pages in use follow the cache: whole pages kept after a block-granular compression.
   kvc::engine::Session session(model, 0, 16);
@@ -311,9 +312,9 @@ TEST_CASE("generate and eval keep a paged cache with --block-size", "[cli][model
                "--max-tokens", "30"},
               out, err) == 0);
   CHECK_THAT(out, Catch::Contains("paged cache, pages of 4 entries: "));
-  REQUIRE(run({"eval", "--samples", "2", "--length", "200", "--prefix", "160", "--methods", "snapkv,selkv",
-               "--ratios", "0.25", "--block-size", "16", "--decode-budget", "48", "--compress-every", "16",
-               "--window", "16", "--json", "--quiet"},
+  REQUIRE(run({"eval", "--samples", "1", "--length", "160", "--prefix", "128", "--methods", "snapkv", "--ratios",
+               "0.25", "--block-size", "16", "--decode-budget", "48", "--compress-every", "16", "--window", "16",
+               "--json", "--quiet"},
               out, err) == 0);
   CHECK_THAT(out, Catch::Contains("\"page_size\": 16, \"pages_freed\": "));
   CHECK(run({"eval", "--samples", "2", "--methods", "threshold", "--block-size", "16", "--quiet"}, out, err) == 2);

@@ -1247,7 +1247,12 @@ class Session {
                       r + (ring_rows_ - fresh + i) * d);
         }
       }
-      // Causal attention: row t sees slots 0 .. len_g + t of its KV head g.
+      // Causal attention: row t sees slots 0 .. len_g + t of its KV head g. A head's rows are rs floats
+      // apart within a page (the whole cache when not paged); run_of(j, end) rows from j share one.
+      const std::ptrdiff_t rs = page_ > 0 ? Hkv * d : d;
+      const auto run_of = [this](std::ptrdiff_t j, std::ptrdiff_t end) {
+        return page_ > 0 ? std::min(page_ - j % page_, end - j) : end - j;
+      };
       for (std::ptrdiff_t t = 0; t < T; ++t) {
         for (int h = 0; h < Hq; ++h) {
           const int g = h / G;
@@ -1255,12 +1260,15 @@ class Session {
           const float* qh = q.row(t).data() + h * d;
           const float* bg = s.bias.data() + g * capacity_;
           float mx = -std::numeric_limits<float>::infinity();
-          for (std::ptrdiff_t j = 0; j < visible; ++j) {
-            const float* kj = row(s, s.keys, g, j);
-            float dot = 0;
-            for (std::ptrdiff_t i = 0; i < d; ++i) dot += qh[i] * kj[i];
-            scores[static_cast<std::size_t>(j)] = scale * dot + bg[j];
-            mx = std::max(mx, scores[static_cast<std::size_t>(j)]);
+          for (std::ptrdiff_t j0 = 0; j0 < visible; j0 += run_of(j0, visible)) {  // rows rs apart
+            const float* k0 = row(s, s.keys, g, j0);
+            for (std::ptrdiff_t r = 0, n_run = run_of(j0, visible); r < n_run; ++r) {
+              const float* kj = k0 + r * rs;
+              float dot = 0;
+              for (std::ptrdiff_t i = 0; i < d; ++i) dot += qh[i] * kj[i];
+              scores[static_cast<std::size_t>(j0 + r)] = scale * dot + bg[j0 + r];
+              mx = std::max(mx, scores[static_cast<std::size_t>(j0 + r)]);
+            }
           }
           float sum = 0;
           for (std::ptrdiff_t j = 0; j < visible; ++j) {
@@ -1270,10 +1278,13 @@ class Session {
           }
           float* o = att.row(t).data() + h * d;
           std::fill(o, o + d, 0.0f);
-          for (std::ptrdiff_t j = 0; j < visible; ++j) {
-            const float p = scores[static_cast<std::size_t>(j)] / sum;
-            const float* vj = row(s, s.values, g, j);
-            for (std::ptrdiff_t i = 0; i < d; ++i) o[i] += p * vj[i];
+          for (std::ptrdiff_t j0 = 0; j0 < visible; j0 += run_of(j0, visible)) {
+            const float* v0 = row(s, s.values, g, j0);
+            for (std::ptrdiff_t r = 0, n_run = run_of(j0, visible); r < n_run; ++r) {
+              const float p = scores[static_cast<std::size_t>(j0 + r)] / sum;
+              const float* vj = v0 + r * rs;
+              for (std::ptrdiff_t i = 0; i < d; ++i) o[i] += p * vj[i];
+            }
           }
         }
       }

@@ -143,6 +143,9 @@ inline Composed::Arguments composed_arguments(const std::string& method, const M
     else throw std::invalid_argument("--allocation must be uniform or adakv, got '" + m + "'");
     label += " --allocation " + m;
   }
+  if (o.block_size && !ComposedAllocator{c.allocator}.keeps_budgets())
+    throw std::invalid_argument("--block-size keeps the same whole blocks for every KV head, which per-head budgets (" +
+                                label + ": AdaKV) cannot");
   if (o.block_size) {
     TopBlocks<> blocks;
     std::visit(

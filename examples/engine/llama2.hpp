@@ -674,8 +674,10 @@ class Session {
   /// cache (0 = one contiguous [Hkv][capacity][d] buffer per layer).
   explicit Session(const Model& model, std::ptrdiff_t capacity = 0, std::ptrdiff_t page_size = 0) : model_(&model) {
     const Config& c = model.config();
-    if (page_size < 0) throw std::invalid_argument("kvc::engine: page_size must be >= 0, got " + std::to_string(page_size));
     capacity_ = capacity > 0 ? capacity : c.seq_len;
+    if (page_size < 0 || page_size > capacity_)
+      throw std::invalid_argument("kvc::engine: page_size must be in [0, capacity = " + std::to_string(capacity_) +
+                                  "], got " + std::to_string(page_size));
     d_ = c.head_size();
     page_ = page_size;
     const std::ptrdiff_t pages = page_ > 0 ? (capacity_ + page_ - 1) / page_ : 0;
@@ -715,7 +717,11 @@ class Session {
     return total;
   }
   std::ptrdiff_t head_dim() const { return d_; }
-  std::ptrdiff_t head_stride() const { return capacity_ * d_; }  ///< elements between heads in keys/values (contiguous)
+  /// Elements between heads in keys()/values() (contiguous sessions; a paged one throws).
+  std::ptrdiff_t head_stride() const {
+    contiguous_only("head_stride()");
+    return capacity_ * d_;
+  }
   std::ptrdiff_t page_size() const { return page_; }  ///< entries per page (0: contiguous cache)
   /// Pages `layer` holds now (paged sessions).
   std::ptrdiff_t pages_in_use(int layer) const { return static_cast<std::ptrdiff_t>(state(layer).table.size()); }
@@ -727,8 +733,15 @@ class Session {
   std::ptrdiff_t window() const { return window_; }              ///< rows of the recorded window queries
   bool window_valid() const { return window_valid_; }            ///< queries describe the current cache tail
 
-  const float* keys(int layer) const { return state(layer).keys.data(); }      // [Hkv][capacity][d] (contiguous)
-  const float* values(int layer) const { return state(layer).values.data(); }  // [Hkv][capacity][d] (contiguous)
+  /// [Hkv][capacity][d] (contiguous sessions; a paged one throws: key_row / value_row read either).
+  const float* keys(int layer) const {
+    contiguous_only("keys()");
+    return state(layer).keys.data();
+  }
+  const float* values(int layer) const {
+    contiguous_only("values()");
+    return state(layer).values.data();
+  }
   const float* bias(int layer) const { return state(layer).bias.data(); }      // [Hkv][capacity]
   const float* queries(int layer) const { return state(layer).queries.data(); }  // [Hq][W][d]
 
@@ -835,7 +848,7 @@ class Session {
     in.Hkv = c.n_kv_heads;
     in.Hq = c.n_heads;
     in.d = d_;
-    in.head_stride = head_stride();
+    in.head_stride = capacity_ * d_;
     in.wo = model_->layer(layer).wo;
     in.dim = c.dim;
     set_pages(s, in);
@@ -927,7 +940,7 @@ class Session {
     in.Hkv = c.n_kv_heads;
     in.Hq = c.n_heads;
     in.d = d_;
-    in.head_stride = head_stride();
+    in.head_stride = capacity_ * d_;
     in.wo = model_->layer(layer).wo;
     in.dim = c.dim;
     in.positions = s.positions.data();
@@ -980,10 +993,16 @@ class Session {
     std::vector<std::int32_t> free_pages;   // paged: pages of the pool not in the table
   };
 
+  void contiguous_only(const char* what) const {
+    if (page_ > 0)
+      throw std::logic_error(std::string("kvc::engine: ") + what + " describes a contiguous cache; this session is paged " +
+                             "(key_row, value_row)");
+  }
+
   /// Pointer to entry i of KV head g in `base` (s.keys or s.values), either layout.
   template <class F>
   F* row(const LayerState& s, std::vector<F>& base, int g, std::ptrdiff_t i) const {
-    if (page_ == 0) return base.data() + g * head_stride() + i * d_;
+    if (page_ == 0) return base.data() + (g * capacity_ + i) * d_;
     const std::ptrdiff_t Hkv = model_->config().n_kv_heads;
     return base.data() + ((static_cast<std::ptrdiff_t>(s.table[static_cast<std::size_t>(i / page_)]) * page_ + i % page_) * Hkv + g) * d_;
   }
@@ -1084,6 +1103,7 @@ class Session {
     }
     for (std::ptrdiff_t i = 0; i < r.m && whole; ++i)
       whole = at[static_cast<std::size_t>(i)] % page_ == i % page_ &&
+              (i == 0 || at[static_cast<std::size_t>(i)] > at[static_cast<std::size_t>(i - 1)]) &&
               (i % page_ == 0 || at[static_cast<std::size_t>(i)] == at[static_cast<std::size_t>(i - 1)] + 1);
     const std::ptrdiff_t keep = (r.m + page_ - 1) / page_;
     std::vector<std::int32_t> table;
@@ -1099,6 +1119,7 @@ class Session {
         ++pages_freed_;
       }
     s.table = std::move(table);
+    ensure_pages(s, r.m);  // a result longer than the cache it replaces (padding rows) gets pages too
   }
 
   /// Writes a checked result into layer l (position() already final) and finds its tail: the last

@@ -189,19 +189,23 @@ Real overflow_limit() {
 }
 
 /// The first entry of M (rows, cols) that does not convert to a finite T: its row and column, or
-/// false when every entry does. One vectorised pass; the search runs on the error path only.
+/// false when every entry does. One branch-free pass per row (vectorised by the compiler; Eigen's
+/// all() would test coefficient by coefficient); the search runs on the error path only.
 template <class T, class Derived>
 bool find_unrepresentable(const Eigen::MatrixBase<Derived>& M, Index& row, Index& col) {
   using Real = typename Derived::Scalar;
   const Real limit = overflow_limit<T, Real>();
-  if ((M.array().abs() < limit).all()) return false;
-  for (Index i = 0; i < M.rows(); ++i)
+  for (Index i = 0; i < M.rows(); ++i) {
+    unsigned bad = 0;
+    for (Index c = 0; c < M.cols(); ++c) bad |= static_cast<unsigned>(!(std::abs(M(i, c)) < limit));  // NaN too
+    if (bad == 0) continue;
     for (Index c = 0; c < M.cols(); ++c)
       if (!(std::abs(M(i, c)) < limit)) {
         row = i;
         col = c;
         return true;
       }
+  }
   return false;
 }
 

@@ -241,7 +241,7 @@ PagedCompaction compact_paged(const LayerResult<Real>& result, const TensorView<
   for (Index g = 1; g < H && whole_blocks; ++g) whole_blocks = index[static_cast<std::size_t>(g)] == index[0];
   for (std::size_t i = 0; whole_blocks && i < index[0].size(); ++i) {
     const Index k = static_cast<Index>(i), at = index[0][i];
-    whole_blocks = at % b == k % b && (k % b == 0 || at == index[0][i - 1] + 1);
+    whole_blocks = at % b == k % b && (i == 0 || at > index[0][i - 1]) && (k % b == 0 || at == index[0][i - 1] + 1);
   }
   PagedCompaction pc;
   pc.blocks = m > 0 ? (m - 1) / b + 1 : 0;

@@ -303,6 +303,56 @@ TEST_CASE("a paged engine cache gives the contiguous cache's logits, and block e
   for (int t = 0; t < 40; ++t) session.forward(prompt[static_cast<std::size_t>(t)]);
   CHECK(session.pages_in_use(0) == (session.length(0) + 15) / 16);
   CHECK_THROWS_AS(kvc::engine::Session(model, 0, -1), std::invalid_argument);
+  CHECK_THROWS_AS(kvc::engine::Session(model, 0, model.config().seq_len + 1), std::invalid_argument);
+  CHECK_THROWS_AS(session.keys(0), std::logic_error);  // [Hkv][capacity][d] describes no paged cache
+  // Results a compressor may return that are not whole pages of the cache: an entry repeated (the
+  // same page twice) and padding rows beyond the cache's length. The paged session holds what the
+  // contiguous one holds.
+  const auto repeat = [](const kvc::engine::LayerInput& in) {  // entries 0..3, then each again, halved
+    kvc::engine::CompressedLayer r;
+    r.m = 8;
+    r.next_position = in.n;
+    r.keys.assign(static_cast<std::size_t>(in.Hkv * r.m * in.d), 0.0f);
+    r.values = r.keys;
+    r.positions.assign(static_cast<std::size_t>(in.Hkv * r.m), 0);
+    for (std::ptrdiff_t g = 0; g < in.Hkv; ++g)
+      for (std::ptrdiff_t i = 0; i < r.m; ++i) {
+        const std::ptrdiff_t j = i % 4;
+        std::copy_n(in.key_row(g, j), in.d, r.keys.begin() + (g * r.m + i) * in.d);
+        for (std::ptrdiff_t c = 0; c < in.d; ++c)  // written onto the first copy's row, the repeat would change it
+          r.values[static_cast<std::size_t>((g * r.m + i) * in.d + c)] = in.value_row(g, j)[c] * (i < 4 ? 1.0f : 0.5f);
+        r.positions[static_cast<std::size_t>(g * r.m + i)] = j;
+      }
+    return r;
+  };
+  const auto padded = [](const kvc::engine::LayerInput& in) {  // every entry, then 20 rows of padding
+    kvc::engine::CompressedLayer r;
+    r.m = in.n + 20;
+    r.next_position = in.n;
+    r.lengths.assign(static_cast<std::size_t>(in.Hkv), in.n);
+    r.keys.assign(static_cast<std::size_t>(in.Hkv * r.m * in.d), 0.0f);
+    r.values = r.keys;
+    for (std::ptrdiff_t g = 0; g < in.Hkv; ++g)
+      for (std::ptrdiff_t i = 0; i < in.n; ++i) {
+        std::copy_n(in.key_row(g, i), in.d, r.keys.begin() + (g * r.m + i) * in.d);
+        std::copy_n(in.value_row(g, i), in.d, r.values.begin() + (g * r.m + i) * in.d);
+      }
+    return r;
+  };
+  const std::vector<int> short_prompt(seqs[0].begin(), seqs[0].begin() + 12);
+  kvc::engine::Session b(model, 0, 4);
+  for (const kvc::engine::LayerCompressor& fn : {kvc::engine::LayerCompressor(repeat), kvc::engine::LayerCompressor(padded)}) {
+    kvc::engine::Session a(model);
+    b.reset();
+    a.prefill(short_prompt, 4);
+    b.prefill(short_prompt, 4);
+    a.compress(fn);
+    b.compress(fn);
+    for (int t = 0; t < 6; ++t)
+      CHECK(b.forward(seqs[0][static_cast<std::size_t>(20 + t)]) == a.forward(seqs[0][static_cast<std::size_t>(20 + t)]));
+  }
+  b.reset();  // every page back in the pool exactly once: a full prefill fits again
+  CHECK_NOTHROW(b.prefill(std::vector<int>(seqs[0].begin(), seqs[0].begin() + 150), 4));
 }
 
 TEST_CASE("generate and eval keep a paged cache with --block-size", "[cli][model][paged]") {
@@ -323,6 +373,8 @@ TEST_CASE("generate and eval keep a paged cache with --block-size", "[cli][model
              "--quiet"},
             out, err) == 2);
   CHECK_THAT(err, Catch::Contains("--selection must be shared"));
+  CHECK(run({"eval", "--samples", "2", "--methods", "adakv-snapkv", "--block-size", "16", "--quiet"}, out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("per-head budgets"));
   CHECK(run({"eval", "--samples", "2", "--methods", "snapkv", "--block-score", "max", "--quiet"}, out, err) == 2);
   CHECK_THAT(err, Catch::Contains("--block-score does not apply"));
 }

@@ -63,13 +63,7 @@ void apply_selector(A& a, const MethodOptions& o, const std::string& method) {
   if constexpr (!has_block_size<A>::value) {
     if (o.block_score) not_applicable("block-score", method);
   }
-  if constexpr (has_block_size<A>::value) {  // TopBlocks: whole blocks, one selection for every head
-    if (o.block_size) a.block_size = *o.block_size;
-    if (o.block_score) {
-      if (*o.block_score == "mean") a.block_score = BlockScore::mean;
-      else if (*o.block_score == "max") a.block_score = BlockScore::max;
-      else throw std::invalid_argument("--block-score must be mean or max, got '" + *o.block_score + "'");
-    }
+  if constexpr (has_pool<A>::value) {  // TopK, TopChunks, TopBlocks
     if (o.pool) {
       a.pool_kernel = *o.pool;
       a.pooling = *o.pool > 1 ? (a.pooling == Pooling::none ? Pooling::average : a.pooling) : Pooling::none;
@@ -82,29 +76,22 @@ void apply_selector(A& a, const MethodOptions& o, const std::string& method) {
     }
     if (o.recent) a.recent = *o.recent;
     if (o.sinks) a.sinks = *o.sinks;
-    if (o.selection && *o.selection != "shared")
-      throw std::invalid_argument("--block-size selects whole blocks for every KV head at once (a block holds every "
-                                  "head): --selection must be shared");
     if (o.threshold) not_applicable("threshold", method);
-  } else if constexpr (has_pool<A>::value) {
-    if (o.pool) {
-      a.pool_kernel = *o.pool;
-      a.pooling = *o.pool > 1 ? (a.pooling == Pooling::none ? Pooling::average : a.pooling) : Pooling::none;
-    }
-    if (o.pooling) {
-      if (*o.pooling == "avg" || *o.pooling == "average") a.pooling = Pooling::average;
-      else if (*o.pooling == "max") a.pooling = Pooling::max;
-      else if (*o.pooling == "none") a.pooling = Pooling::none;
-      else throw std::invalid_argument("--pooling must be avg, max or none, got '" + *o.pooling + "'");
-    }
-    if (o.recent) a.recent = *o.recent;
-    if (o.sinks) a.sinks = *o.sinks;
-    if (o.selection) {
+    if constexpr (has_block_size<A>::value) {  // TopBlocks: whole blocks, one selection for every head
+      if (o.block_size) a.block_size = *o.block_size;
+      if (o.block_score) {
+        if (*o.block_score == "mean") a.block_score = BlockScore::mean;
+        else if (*o.block_score == "max") a.block_score = BlockScore::max;
+        else throw std::invalid_argument("--block-score must be mean or max, got '" + *o.block_score + "'");
+      }
+      if (o.selection && *o.selection != "shared")
+        throw std::invalid_argument("--block-size selects whole blocks for every KV head at once (a block holds every "
+                                    "head): --selection must be shared");
+    } else if (o.selection) {
       if (*o.selection == "shared") a.granularity = Granularity::shared;
       else if (*o.selection == "per-head" || *o.selection == "per_head") a.granularity = Granularity::per_head;
       else throw std::invalid_argument("--selection must be shared or per-head, got '" + *o.selection + "'");
     }
-    if (o.threshold) not_applicable("threshold", method);
   } else if constexpr (has_threshold<A>::value) {
     if (o.threshold) a.threshold = *o.threshold;
     if (o.recent) a.recent = *o.recent;

@@ -188,7 +188,7 @@ void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<
   out.setZero(Hq, d);
   std::vector<float> e(static_cast<std::size_t>(G * kDecodeTile));  // (G, kDecodeTile) weights of one tile
   std::vector<float> m(static_cast<std::size_t>(G)), l(static_cast<std::size_t>(G));
-  std::vector<T> vgather(values.paged() ? static_cast<std::size_t>(kDecodeRowBlock * d) : 0);  // (16, d)
+  std::vector<T> vgather;  // (16, d): a block of value rows that spans pages (allocated when one does)
   for (Index g = 0; g < keys.heads; ++g) {
     const Index t = lengths ? lengths[g] : keys.tokens;  // entries of head g
     const float* q = queries.row(g * G).data();  // (G, d), row stride d
@@ -221,6 +221,7 @@ void decode_attention_blocked(const RowMatrix<float>& queries, const TensorView<
         const T* vrows = values.row(g, i0 + r0);
         Index vstride = values.token_stride;
         if (!values.contiguous(i0 + r0, rows)) {
+          vgather.resize(static_cast<std::size_t>(kDecodeRowBlock * d));
           for (Index r = 0; r < rows; ++r) std::copy_n(values.row(g, i0 + r0 + r), d, vgather.data() + r * d);
           vrows = vgather.data();
           vstride = d;

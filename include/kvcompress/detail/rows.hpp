@@ -40,6 +40,15 @@ ConstRowsMap<Real> map_rows(const TensorView<const T>& v, Index h, Index first, 
   return ConstRowsMap<Real>(v.row(h, first), count, v.dim, Eigen::OuterStride<Eigen::Dynamic>(v.token_stride));
 }
 
+/// out (count, dim) <- rows [first, first+count) of head h, converted to Real.
+template <class Real, class T, class Derived>
+void gather_rows(const TensorView<const T>& v, Index h, Index first, Index count,
+                 Eigen::MatrixBase<Derived>& out) {
+  using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+  for (Index j = 0; j < count; ++j)  // one vectorised copy / conversion per row
+    out.row(j) = Eigen::Map<const Row>(v.row(h, first + j), v.dim).template cast<Real>();
+}
+
 /// Rows [first, first+count) of head h as a (count, dim) map: in place when T is Real and the rows
 /// are token_stride apart (not spanning blocks of a paged view), else converted / gathered into
 /// `tile` (resized when smaller). The map is valid until `tile` changes.
@@ -49,18 +58,9 @@ ConstRowsMap<Real> rows_at(const TensorView<const T>& v, Index h, Index first, I
     if (v.contiguous(first, count)) return map_rows<Real>(v, h, first, count);
   }
   if (tile.rows() < count || tile.cols() != v.dim) tile.resize(count, v.dim);
-  using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
-  for (Index j = 0; j < count; ++j) tile.row(j) = Eigen::Map<const Row>(v.row(h, first + j), v.dim).template cast<Real>();
+  auto rows = tile.topRows(count);
+  gather_rows<Real>(v, h, first, count, rows);
   return ConstRowsMap<Real>(tile.data(), count, v.dim, Eigen::OuterStride<Eigen::Dynamic>(v.dim));
-}
-
-/// out (count, dim) <- rows [first, first+count) of head h, converted to Real.
-template <class Real, class T, class Derived>
-void gather_rows(const TensorView<const T>& v, Index h, Index first, Index count,
-                 Eigen::MatrixBase<Derived>& out) {
-  using Row = Eigen::Matrix<T, 1, Eigen::Dynamic>;
-  for (Index j = 0; j < count; ++j)  // one vectorised copy / conversion per row
-    out.row(j) = Eigen::Map<const Row>(v.row(h, first + j), v.dim).template cast<Real>();
 }
 
 /// Copies the d floats at src to dst with non-temporal (streaming) stores, which write whole cache

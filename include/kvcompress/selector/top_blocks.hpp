@@ -67,14 +67,15 @@ struct TopBlocks {
     const Index pool = args.pooling == Pooling::none ? 0 : args.pool_kernel;
     for (Index g = 0; g < H; ++g) pool_region(scores[g], f.sinks, n - f.recent, pool, args.pooling, out.score[g]);
     const Index blocks = n > 0 ? (n - 1) / b + 1 : 0;
+    const auto size = [&](Index k) { return std::min(k * b + b, n) - k * b; };  // |B_k|: the last may be short
     std::vector<Real> block_score(static_cast<std::size_t>(blocks), Real(0));  // S_k, mean over heads
     for (Index g = 0; g < H; ++g)
       for (Index k = 0; k < blocks; ++k) {
-        const Index a = k * b, e = std::min(a + b, n);
+        const Index a = k * b;
         Real s = out.score[g][a];
-        for (Index j = a + 1; j < e; ++j)
+        for (Index j = a + 1; j < a + size(k); ++j)
           s = args.block_score == BlockScore::mean ? s + out.score[g][j] : max_nan(s, out.score[g][j]);
-        if (args.block_score == BlockScore::mean) s /= static_cast<Real>(e - a);
+        if (args.block_score == BlockScore::mean) s /= static_cast<Real>(size(k));
         block_score[static_cast<std::size_t>(k)] += s / static_cast<Real>(H);
       }
     std::vector<char> keep(static_cast<std::size_t>(blocks), char(m >= n ? 1 : 0));
@@ -82,7 +83,7 @@ struct TopBlocks {
       Index left = m;
       const auto take = [&](Index k) {
         keep[static_cast<std::size_t>(k)] = 1;
-        left -= std::min(k * b + b, n) - k * b;
+        left -= size(k);
       };
       const Index sink_blocks = f.sinks > 0 ? (f.sinks - 1) / b + 1 : 0;
       const Index recent_from = f.recent > 0 ? (n - f.recent) / b : blocks;
@@ -92,10 +93,10 @@ struct TopBlocks {
       for (Index k = 0; k < blocks; ++k)
         if (!keep[static_cast<std::size_t>(k)]) order.push_back(k);
       std::stable_sort(order.begin(), order.end(), [&](Index x, Index y) {
-        return higher(block_score[static_cast<std::size_t>(x)], block_score[static_cast<std::size_t>(y)]);
+        return detail::ranks_before(block_score[static_cast<std::size_t>(x)], block_score[static_cast<std::size_t>(y)]);
       });
       for (Index k : order)
-        if (std::min(k * b + b, n) - k * b <= left) take(k);
+        if (size(k) <= left) take(k);
       if (std::find(keep.begin(), keep.end(), char(1)) == keep.end()) take(order.front());  // m < b: the best block
     }
     out.kept[0].clear();
@@ -108,13 +109,6 @@ struct TopBlocks {
   }
 
  private:
-  /// Whether score x ranks before y (higher first, NaN last).
-  template <class Real>
-  static bool higher(Real x, Real y) {
-    const bool x_nan = x != x, y_nan = y != y;
-    if (x_nan || y_nan) return !x_nan && y_nan;
-    return x > y;
-  }
   /// max that keeps a NaN (a block with a NaN score ranks last either way).
   template <class Real>
   static Real max_nan(Real x, Real y) {

@@ -77,14 +77,6 @@ struct TopChunks {
   }
 
  private:
-  /// Whether score x ranks before y (higher first, NaN last); equal scores are left to the caller.
-  template <class Real>
-  static bool higher(Real x, Real y) {
-    const bool x_nan = x != x, y_nan = y != y;
-    if (x_nan || y_nan) return !x_nan && y_nan;
-    return x > y;
-  }
-
   /// kept (ascending) <- the forced tokens, the best whole chunks that fit and the best single tokens
   /// for the rest of the budget m; evicted (ascending) <- the other positions.
   template <class Real>
@@ -110,7 +102,7 @@ struct TopChunks {
       std::iota(order.begin(), order.end(), Index(0));
       std::sort(order.begin(), order.end(), [&](Index x, Index y) {
         const Real sx = mean[static_cast<std::size_t>(x)], sy = mean[static_cast<std::size_t>(y)];
-        return higher(sx, sy) || (!higher(sy, sx) && x < y);
+        return detail::ranks_before(sx, sy) || (!detail::ranks_before(sy, sx) && x < y);
       });
       for (Index b : order) {
         const Index a = lo + b * c, e = a + std::min(c, hi - a);
@@ -123,7 +115,9 @@ struct TopChunks {
         for (Index j = lo; j < hi; ++j)
           if (!flag[static_cast<std::size_t>(j)]) rest.push_back(j);
         std::sort(rest.begin(), rest.end(),
-                  [&](Index x, Index y) { return higher(s[x], s[y]) || (!higher(s[y], s[x]) && x < y); });
+                  [&](Index x, Index y) {
+                  return detail::ranks_before(s[x], s[y]) || (!detail::ranks_before(s[y], s[x]) && x < y);
+                });
         for (Index i = 0; i < left && i < static_cast<Index>(rest.size()); ++i)
           flag[static_cast<std::size_t>(rest[static_cast<std::size_t>(i)])] = 1;
       }

@@ -38,6 +38,15 @@ inline ForcedCounts forced_counts(Index n, Index m, Index sinks, Index recent) {
 
 namespace detail {
 
+/// Whether score x ranks before y: higher first, NaN below every number; equal scores (and two NaNs)
+/// are left to the caller. The order TopChunks and TopBlocks rank chunks and blocks by.
+template <class Real>
+bool ranks_before(Real x, Real y) {
+  const bool x_nan = x != x, y_nan = y != y;
+  if (x_nan || y_nan) return !x_nan && y_nan;
+  return x > y;
+}
+
 /// Working memory of TopK::select, kept in the Selection it fills (Selection::scratch) so that a
 /// reused Selection needs no allocation: every buffer is resized, never shrunk.
 template <class Real>

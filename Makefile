@@ -6,11 +6,13 @@ JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
 PACKAGES  := cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev
 # The Python module (python/) and its tests: `make python` and `make test` install these as well.
-PYTHON_PACKAGES := pybind11-dev python3-dev python3-numpy python3-pytest
+PYTHON_PACKAGES := pybind11-dev python3-dev python3-numpy python3-pytest python3-matplotlib
+# The recall model's training (docs/recall.md): PyTorch and the BLAS it runs fast with, never for the tests.
+RECALL_PACKAGES := python3-torch python3-numpy libopenblas0-pthread
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: deps python-deps configure build demo test python sanitize-deps sanitize-build test-sanitize bench bench-smoke clean \
-        bench-speed-table \
+        bench-speed-table recall-model \
         fuzz-build fuzz fuzz-ci
 
 deps:
@@ -26,6 +28,16 @@ python-deps: deps
 	  echo "Installing missing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
+
+# Trains examples/recall/recall-gqa.bin with Debian's PyTorch on the CPU (RECALL_ARGS: more options).
+recall-model:
+	@missing=""; for p in $(RECALL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "Installing missing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+	bash -o pipefail -c '/usr/bin/python3 examples/recall/train_recall_model.py --out examples/recall/recall-gqa.bin \
+	  $(RECALL_ARGS) 2>&1 | tee examples/recall/recall-gqa.log'
 
 configure: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)

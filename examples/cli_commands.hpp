@@ -6,9 +6,11 @@
 #include "engine/llama2.hpp"
 #include "engine/model_path.hpp"
 #include "engine/npy.hpp"
+#include "engine/recall.hpp"
 #include "engine_bridge.hpp"
 #include "methods.hpp"
 
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -522,7 +524,198 @@ inline std::vector<std::vector<int>> read_token_sequences(const std::string& pat
   return seqs;
 }
 
+// ---- eval --task recall -----------------------------------------------------------------------------
+
+struct RecallRow {
+  std::string method;  // "full": the uncompressed cache
+  double ratio = 1;
+  engine::RecallSetting setting = engine::RecallSetting::kQuestionLast;
+  engine::Interval accuracy;
+  double by_kind[3] = {0, 0, 0};  // accuracy on fact, passkey and hop questions
+  double kept = 1;  // entries kept / entries before, over every layer, KV head and task
+  engine::Interval minus_snapkv;  // paired accuracy difference (this − snapkv), same tasks, when has_pair
+  bool has_pair = false;
+};
+
+/// Exact-match accuracy of the full cache and of every method at every ratio, in each setting, on the
+/// same tasks (one prefill per task and setting; each row continues from a copy of it).
+inline std::vector<RecallRow> run_recall(const engine::Model& model, const std::vector<engine::RecallTask>& tasks,
+                                         const std::vector<engine::RecallSetting>& settings, Index window,
+                                         const std::vector<std::string>& methods, const std::vector<double>& ratios,
+                                         const MethodOptions& opts, std::uint64_t seed, bool progress,
+                                         const LayerScheduleArguments& schedule = {}) {
+  const int layers = model.config().n_layers;
+  const std::size_t E = 1 + methods.size() * ratios.size();  // entry 0: the full cache
+  std::vector<double> kept(E, 0.0), all(E, 0.0);
+  std::vector<engine::LayerCompressor> fns(E);
+  std::vector<const engine::LayerCompressor*> ptrs(E, nullptr);
+  std::vector<RecallRow> proto(E);
+  proto[0].method = "full";
+  for (std::size_t r = 0, e = 1; r < ratios.size(); ++r)
+    for (std::size_t k = 0; k < methods.size(); ++k, ++e) {
+      proto[e].method = methods[k];
+      proto[e].ratio = ratios[r];
+      fns[e] = [comp = make_method(methods[k], opts), budget = Budget::ratio(ratios[r]), &schedule, layers,
+                kept_e = &kept[e], all_e = &all[e]](const engine::LayerInput& in) {
+        const LayerView<float> layer = view_of(in);
+        const LayerResult<float> res = comp(layer, layer_budget(budget, schedule, layers, in));
+        for (const auto& h : res.heads) *kept_e += static_cast<double>(h.positions.size());
+        *all_e += static_cast<double>(layer.kv_heads() * layer.tokens());
+        return to_engine(res);
+      };
+      ptrs[e] = &fns[e];
+    }
+  std::vector<RecallRow> rows;
+  for (const engine::RecallSetting setting : settings) {
+    std::fill(kept.begin(), kept.end(), 0.0);
+    std::fill(all.begin(), all.end(), 0.0);
+    std::vector<std::vector<double>> hits(E);
+    std::vector<std::array<double, 3>> kind_hits(E, {0, 0, 0});
+    std::array<double, 3> kind_count{0, 0, 0};
+    for (std::size_t t = 0; t < tasks.size(); ++t) {
+      const engine::RecallTask& task = tasks[t];
+      const std::vector<bool> h = engine::recall_hits(model, task, setting, window, ptrs);
+      const int kind = static_cast<int>(task.kind);
+      kind_count[static_cast<std::size_t>(kind)] += 1;
+      for (std::size_t e = 0; e < E; ++e) {
+        hits[e].push_back(h[e] ? 1.0 : 0.0);
+        kind_hits[e][static_cast<std::size_t>(kind)] += h[e] ? 1.0 : 0.0;
+      }
+      if (progress) std::fprintf(stderr, "\r%s: %zu/%zu tasks   ", engine::recall_setting_name(setting), t + 1, tasks.size());
+    }
+    if (progress) std::fprintf(stderr, "\n");
+    for (std::size_t e = 0; e < E; ++e) {
+      RecallRow row = proto[e];
+      row.setting = setting;
+      row.accuracy = engine::bootstrap_mean(hits[e], seed);
+      for (std::size_t k = 0; k < 3; ++k) row.by_kind[k] = kind_count[k] > 0 ? kind_hits[e][k] / kind_count[k] : 0.0;
+      if (e > 0) row.kept = all[e] > 0 ? kept[e] / all[e] : 0.0;
+      rows.push_back(row);
+    }
+    // Paired differences against SnapKV at the same ratio (same tasks, same order).
+    const std::size_t first = rows.size() - E;
+    for (std::size_t e = 0; e < E; ++e)
+      for (std::size_t f = 1; f < E; ++f)
+        if (proto[f].method == "snapkv" && proto[f].ratio == proto[e].ratio && e != f) {
+          rows[first + e].minus_snapkv = engine::bootstrap_paired_difference(hits[e], hits[f], seed);
+          rows[first + e].has_pair = true;
+        }
+  }
+  return rows;
+}
+
+inline void print_recall(const std::vector<RecallRow>& rows, bool json, bool csv, std::ostream& out) {
+  char buf[512];
+  if (json) {
+    out << "[\n";
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const RecallRow& r = rows[i];
+      std::snprintf(buf, sizeof buf,
+                    "  {\"task\": \"recall\", \"setting\": \"%s\", \"method\": \"%s\", \"ratio\": %g, "
+                    "\"accuracy\": {\"mean\": %.8g, \"lo\": %.8g, \"hi\": %.8g}, \"fact\": %.8g, \"passkey\": %.8g, "
+                    "\"hop\": %.8g, \"kept\": %.8g",
+                    engine::recall_setting_name(r.setting), r.method.c_str(), r.ratio, r.accuracy.mean, r.accuracy.lo,
+                    r.accuracy.hi, r.by_kind[0], r.by_kind[1], r.by_kind[2], r.kept);
+      out << buf;
+      if (r.has_pair) {
+        std::snprintf(buf, sizeof buf, ", \"accuracy_minus_snapkv\": {\"mean\": %.8g, \"lo\": %.8g, \"hi\": %.8g}",
+                      r.minus_snapkv.mean, r.minus_snapkv.lo, r.minus_snapkv.hi);
+        out << buf;
+      }
+      out << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    out << "]\n";
+    return;
+  }
+  if (csv) {
+    out << "setting,method,ratio,accuracy,accuracy_lo,accuracy_hi,fact,passkey,hop,kept,accuracy_minus_snapkv,"
+           "accuracy_minus_snapkv_lo,accuracy_minus_snapkv_hi\n";
+    for (const RecallRow& r : rows) {
+      std::snprintf(buf, sizeof buf, "%s,%s,%g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g", engine::recall_setting_name(r.setting),
+                    r.method.c_str(), r.ratio, r.accuracy.mean, r.accuracy.lo, r.accuracy.hi, r.by_kind[0], r.by_kind[1],
+                    r.by_kind[2], r.kept);
+      out << buf;
+      if (r.has_pair)
+        std::snprintf(buf, sizeof buf, ",%.6g,%.6g,%.6g\n", r.minus_snapkv.mean, r.minus_snapkv.lo, r.minus_snapkv.hi);
+      else
+        std::snprintf(buf, sizeof buf, ",,,\n");
+      out << buf;
+    }
+    return;
+  }
+  std::snprintf(buf, sizeof buf, "%-15s %-15s %5s  %-22s %5s %7s %5s %6s  %s\n", "setting", "method", "ratio",
+                "accuracy [95% CI]", "fact", "passkey", "hop", "kept", "accuracy - snapkv [95% CI]");
+  out << buf;
+  for (const RecallRow& r : rows) {
+    char pair[64] = "-";
+    if (r.has_pair)
+      std::snprintf(pair, sizeof pair, "%+.3f [%+.3f,%+.3f]", r.minus_snapkv.mean, r.minus_snapkv.lo, r.minus_snapkv.hi);
+    std::snprintf(buf, sizeof buf, "%-15s %-15s %5.2f  %.3f [%.3f,%.3f]    %5.3f %7.3f %5.3f %6.3f  %s\n",
+                  engine::recall_setting_name(r.setting), r.method.c_str(), r.ratio, r.accuracy.mean, r.accuracy.lo,
+                  r.accuracy.hi, r.by_kind[0], r.by_kind[1], r.by_kind[2], r.kept, pair);
+    out << buf;
+  }
+}
+
+/// eval --task recall: the retrieval benchmark on the recall model (docs/recall.md).
+inline int cmd_eval_recall(Args& a, std::ostream& out) {
+  for (const char* k : {"tokens", "prefix", "prefill-chunk", "decode-budget", "compress-every", "tokenizer"})
+    if (a.has(k)) throw std::invalid_argument(std::string("--") + k + " does not apply with --task recall");
+  std::string model_path = a.path("model"), filler_path = a.path("filler-model");
+  if (model_path.empty()) {
+    const auto found = engine::find_recall_model();
+    if (!found) throw std::runtime_error(engine::recall_model_missing_message());
+    model_path = *found;
+  }
+  if (filler_path.empty()) {
+    const auto dir = engine::find_model_dir();
+    if (!dir) throw std::runtime_error(engine::model_missing_message());
+    filler_path = *dir + "/" + engine::kCheckpointFile;
+  }
+  const Index samples = a.integer("samples", 60, 1, INT_MAX);
+  const std::uint64_t seed = static_cast<std::uint64_t>(a.integer("seed", 1, 0, std::numeric_limits<Index>::max()));
+  const Index length = a.integer("length", 2048, 2, INT_MAX);
+  const Index window = a.integer("window", engine::ProtocolDefaults::kWindow, 1, std::numeric_limits<Index>::max());
+  std::vector<engine::RecallSetting> settings;
+  for (const auto& s : a.list("settings", "question-last,question-later")) {
+    if (s == "question-last") settings.push_back(engine::RecallSetting::kQuestionLast);
+    else if (s == "question-later") settings.push_back(engine::RecallSetting::kQuestionLater);
+    else throw std::invalid_argument("--settings takes question-last and question-later, got '" + s + "'");
+  }
+  const std::vector<std::string> methods = a.list("methods", "streaming,snapkv,selkv-evict,selkv,grkv");
+  std::vector<double> ratios;
+  for (const auto& r : a.list("ratios", "0.05,0.1,0.25,0.5")) ratios.push_back(Args::parse_ratio("ratios", r));
+  const bool json = a.flag("json"), csv = a.flag("csv"), quiet = a.flag("quiet");
+  if (json && csv) throw std::invalid_argument("give either --json or --csv, not both");
+  const MethodOptions opts = method_options(a);
+  const LayerScheduleArguments schedule = layer_schedule(a);
+  a.reject_unused();
+  if (opts.reposition.value_or(false))
+    throw std::invalid_argument("--reposition does not apply with --task recall (the question follows the compressed cache)");
+  for (const auto& m : methods) make_method(m, opts);  // fail fast on a bad name or option
+  const engine::Model model = engine::Model::load(model_path);
+  if (length > model.config().seq_len)
+    throw std::invalid_argument("--length " + std::to_string(length) + " exceeds the model's context of " +
+                                std::to_string(model.config().seq_len) + " tokens");
+  const engine::Model story = engine::Model::load(filler_path);
+  // Filler: enough stories that every task's window of the stream starts at one of many offsets.
+  const int stories = static_cast<int>(std::max<Index>(32, 4 * (length / std::max(1, story.config().seq_len) + 1)));
+  const std::vector<int> filler = engine::recall_filler(story, stories, seed);
+  const auto tasks = engine::make_recall_tasks(filler, static_cast<int>(samples), static_cast<int>(length), seed + 1);
+  const auto rows = run_recall(model, tasks, settings, window, methods, ratios, opts, seed, !quiet, schedule);
+  if (!json && !csv)
+    out << "recall: " << tasks.size() << " tasks of " << length << " tokens (fact, passkey, hop in turn), window "
+        << window << "; exact-match accuracy with bootstrap 95% intervals\n";
+  print_recall(rows, json, csv, out);
+  return 0;
+}
+
 inline int cmd_eval(Args& a, std::ostream& out) {
+  if (a.has("task")) {
+    const std::string task = a.str("task");
+    if (task == "recall") return cmd_eval_recall(a, out);
+    if (task != "kl") throw std::invalid_argument("--task must be kl or recall, got '" + task + "'");
+  }
   const ModelFiles files = model_files(a);
   const std::string tokens_path = a.path("tokens");
   if (!tokens_path.empty())
@@ -638,6 +831,8 @@ inline std::string usage() {
          "  generate --prompt TEXT --method M (--ratio R | --budget M) [--max-tokens 128] [--window 32]\n"
          "  eval     [--tokens F.npy | --samples 24 --seed 1 --length 512] --prefix 384 --methods a,b --ratios r1,r2\n"
          "           [--window 32] [--json | --csv] [--quiet]\n"
+         "  eval     --task recall [--model recall-gqa.bin --filler-model stories260K.bin] [--samples 60 --seed 1\n"
+         "           --length 2048] [--settings question-last,question-later] --methods a,b --ratios r1,r2\n"
          "  compress --keys K.npy --values V.npy --queries Q.npy --method M (--ratio R | --budget M) --out DIR\n"
          "           [--wo WO.npy: the layer's output projection [D][Hq*d], for criticalkv]\n"
          "common: --model FILE --tokenizer FILE (default: $KVC_MODEL_DIR, ./models, ../shared/models)\n"

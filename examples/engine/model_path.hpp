@@ -61,4 +61,26 @@ inline std::string model_missing_message() {
   return msg;
 }
 
+/// The recall model's path inside the repository (docs/recall.md).
+inline constexpr const char* kRecallModelFile = "examples/recall/recall-gqa.bin";
+
+/// The recall model: `./examples/recall/recall-gqa.bin`, then the same under `KVC_SOURCE_DIR` when the
+/// build defines it; nothing when neither is a regular file.
+inline std::optional<std::string> find_recall_model() {
+  std::vector<std::string> candidates{std::string("./") + kRecallModelFile};
+#ifdef KVC_SOURCE_DIR
+  candidates.push_back(std::string(KVC_SOURCE_DIR) + "/" + kRecallModelFile);
+#endif
+  std::error_code ec;
+  for (const std::string& p : candidates)
+    if (std::filesystem::is_regular_file(p, ec)) return p;
+  return std::nullopt;
+}
+
+inline std::string recall_model_missing_message() {
+  return std::string("the recall model ") + kRecallModelFile +
+         " was not found here or in the source tree; give its path with --model "
+         "(examples/recall/train_recall_model.py trains it)";
+}
+
 }  // namespace kvc::engine

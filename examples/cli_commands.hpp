@@ -11,10 +11,12 @@
 #include "methods.hpp"
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -22,6 +24,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace kvc::cli {
@@ -538,58 +541,80 @@ struct RecallRow {
 };
 
 /// Exact-match accuracy of the full cache and of every method at every ratio, in each setting, on the
-/// same tasks (one prefill per task and setting; each row continues from a copy of it).
+/// same tasks (one prefill per task and setting; each row continues from a copy of it). `threads`
+/// workers take every threads-th task, each with its own compressors; the result does not depend on
+/// their number.
 inline std::vector<RecallRow> run_recall(const engine::Model& model, const std::vector<engine::RecallTask>& tasks,
                                          const std::vector<engine::RecallSetting>& settings, Index window,
                                          const std::vector<std::string>& methods, const std::vector<double>& ratios,
                                          const MethodOptions& opts, std::uint64_t seed, bool progress,
-                                         const LayerScheduleArguments& schedule = {}) {
+                                         const LayerScheduleArguments& schedule = {}, int threads = 1) {
   const int layers = model.config().n_layers;
   const std::size_t E = 1 + methods.size() * ratios.size();  // entry 0: the full cache
-  std::vector<double> kept(E, 0.0), all(E, 0.0);
-  std::vector<engine::LayerCompressor> fns(E);
-  std::vector<const engine::LayerCompressor*> ptrs(E, nullptr);
+  const std::size_t N = tasks.size();
+  const std::size_t T = static_cast<std::size_t>(std::max(1, std::min<int>(threads, static_cast<int>(std::max<std::size_t>(N, 1)))));
   std::vector<RecallRow> proto(E);
   proto[0].method = "full";
   for (std::size_t r = 0, e = 1; r < ratios.size(); ++r)
     for (std::size_t k = 0; k < methods.size(); ++k, ++e) {
       proto[e].method = methods[k];
       proto[e].ratio = ratios[r];
-      fns[e] = [comp = make_method(methods[k], opts), budget = Budget::ratio(ratios[r]), &schedule, layers,
-                kept_e = &kept[e], all_e = &all[e]](const engine::LayerInput& in) {
-        const LayerView<float> layer = view_of(in);
-        const LayerResult<float> res = comp(layer, layer_budget(budget, schedule, layers, in));
-        for (const auto& h : res.heads) *kept_e += static_cast<double>(h.positions.size());
-        *all_e += static_cast<double>(layer.kv_heads() * layer.tokens());
-        return to_engine(res);
-      };
-      ptrs[e] = &fns[e];
     }
   std::vector<RecallRow> rows;
   for (const engine::RecallSetting setting : settings) {
-    std::fill(kept.begin(), kept.end(), 0.0);
-    std::fill(all.begin(), all.end(), 0.0);
-    std::vector<std::vector<double>> hits(E);
-    std::vector<std::array<double, 3>> kind_hits(E, {0, 0, 0});
-    std::array<double, 3> kind_count{0, 0, 0};
-    for (std::size_t t = 0; t < tasks.size(); ++t) {
-      const engine::RecallTask& task = tasks[t];
-      const std::vector<bool> h = engine::recall_hits(model, task, setting, window, ptrs);
-      const int kind = static_cast<int>(task.kind);
-      kind_count[static_cast<std::size_t>(kind)] += 1;
-      for (std::size_t e = 0; e < E; ++e) {
-        hits[e].push_back(h[e] ? 1.0 : 0.0);
-        kind_hits[e][static_cast<std::size_t>(kind)] += h[e] ? 1.0 : 0.0;
+    std::vector<std::vector<double>> hits(E, std::vector<double>(N, 0.0));
+    std::vector<std::vector<double>> kept(T, std::vector<double>(E, 0.0)), all(T, std::vector<double>(E, 0.0));
+    std::vector<std::exception_ptr> failed(T);
+    std::atomic<std::size_t> done{0};
+    auto work = [&](std::size_t w) {
+      try {
+        std::vector<engine::LayerCompressor> fns(E);
+        std::vector<const engine::LayerCompressor*> ptrs(E, nullptr);
+        for (std::size_t e = 1; e < E; ++e) {
+          fns[e] = [comp = make_method(proto[e].method, opts), budget = Budget::ratio(proto[e].ratio), &schedule, layers,
+                    kept_e = &kept[w][e], all_e = &all[w][e]](const engine::LayerInput& in) {
+            const LayerView<float> layer = view_of(in);
+            const LayerResult<float> res = comp(layer, layer_budget(budget, schedule, layers, in));
+            for (const auto& h : res.heads) *kept_e += static_cast<double>(h.positions.size());
+            *all_e += static_cast<double>(layer.kv_heads() * layer.tokens());
+            return to_engine(res);
+          };
+          ptrs[e] = &fns[e];
+        }
+        for (std::size_t t = w; t < N; t += T) {
+          const std::vector<bool> h = engine::recall_hits(model, tasks[t], setting, window, ptrs);
+          for (std::size_t e = 0; e < E; ++e) hits[e][t] = h[e] ? 1.0 : 0.0;
+          const std::size_t finished = ++done;
+          if (progress && w == 0)
+            std::fprintf(stderr, "\r%s: %zu/%zu tasks   ", engine::recall_setting_name(setting), finished, N);
+        }
+      } catch (...) {
+        failed[w] = std::current_exception();
       }
-      if (progress) std::fprintf(stderr, "\r%s: %zu/%zu tasks   ", engine::recall_setting_name(setting), t + 1, tasks.size());
-    }
-    if (progress) std::fprintf(stderr, "\n");
+    };
+    std::vector<std::thread> pool;
+    for (std::size_t w = 1; w < T; ++w) pool.emplace_back(work, w);
+    work(0);
+    for (std::thread& th : pool) th.join();
+    for (const std::exception_ptr& f : failed)
+      if (f) std::rethrow_exception(f);
+    if (progress) std::fprintf(stderr, "\r%s: %zu/%zu tasks\n", engine::recall_setting_name(setting), N, N);
     for (std::size_t e = 0; e < E; ++e) {
       RecallRow row = proto[e];
       row.setting = setting;
       row.accuracy = engine::bootstrap_mean(hits[e], seed);
-      for (std::size_t k = 0; k < 3; ++k) row.by_kind[k] = kind_count[k] > 0 ? kind_hits[e][k] / kind_count[k] : 0.0;
-      if (e > 0) row.kept = all[e] > 0 ? kept[e] / all[e] : 0.0;
+      std::array<double, 3> kind_hits{0, 0, 0}, kind_count{0, 0, 0};
+      for (std::size_t t = 0; t < N; ++t) {
+        kind_hits[static_cast<std::size_t>(tasks[t].kind)] += hits[e][t];
+        kind_count[static_cast<std::size_t>(tasks[t].kind)] += 1;
+      }
+      for (std::size_t k = 0; k < 3; ++k) row.by_kind[k] = kind_count[k] > 0 ? kind_hits[k] / kind_count[k] : 0.0;
+      double kept_e = 0, all_e = 0;
+      for (std::size_t w = 0; w < T; ++w) {
+        kept_e += kept[w][e];
+        all_e += all[w][e];
+      }
+      if (e > 0) row.kept = all_e > 0 ? kept_e / all_e : 0.0;
       rows.push_back(row);
     }
     // Paired differences against SnapKV at the same ratio (same tasks, same order).
@@ -676,6 +701,7 @@ inline int cmd_eval_recall(Args& a, std::ostream& out) {
   const std::uint64_t seed = static_cast<std::uint64_t>(a.integer("seed", 1, 0, std::numeric_limits<Index>::max()));
   const Index length = a.integer("length", 2048, 2, INT_MAX);
   const Index window = a.integer("window", engine::ProtocolDefaults::kWindow, 1, std::numeric_limits<Index>::max());
+  const int threads = static_cast<int>(a.integer("threads", 1, 1, 1024));
   std::vector<engine::RecallSetting> settings;
   for (const auto& s : a.list("settings", "question-last,question-later")) {
     if (s == "question-last") settings.push_back(engine::RecallSetting::kQuestionLast);
@@ -697,12 +723,15 @@ inline int cmd_eval_recall(Args& a, std::ostream& out) {
   if (length > model.config().seq_len)
     throw std::invalid_argument("--length " + std::to_string(length) + " exceeds the model's context of " +
                                 std::to_string(model.config().seq_len) + " tokens");
+  if (model.config().vocab_size < engine::RecallTokens::kFirstValue + engine::RecallTokens::kValues)
+    throw std::invalid_argument(model_path + ": the recall task needs tok512's vocabulary (512 ids), the model has " +
+                                std::to_string(model.config().vocab_size));
   const engine::Model story = engine::Model::load(filler_path);
   // Filler: enough stories that every task's window of the stream starts at one of many offsets.
   const int stories = static_cast<int>(std::max<Index>(32, 4 * (length / std::max(1, story.config().seq_len) + 1)));
   const std::vector<int> filler = engine::recall_filler(story, stories, seed);
   const auto tasks = engine::make_recall_tasks(filler, static_cast<int>(samples), static_cast<int>(length), seed + 1);
-  const auto rows = run_recall(model, tasks, settings, window, methods, ratios, opts, seed, !quiet, schedule);
+  const auto rows = run_recall(model, tasks, settings, window, methods, ratios, opts, seed, !quiet, schedule, threads);
   if (!json && !csv)
     out << "recall: " << tasks.size() << " tasks of " << length << " tokens (fact, passkey, hop in turn), window "
         << window << "; exact-match accuracy with bootstrap 95% intervals\n";
@@ -832,7 +861,7 @@ inline std::string usage() {
          "  eval     [--tokens F.npy | --samples 24 --seed 1 --length 512] --prefix 384 --methods a,b --ratios r1,r2\n"
          "           [--window 32] [--json | --csv] [--quiet]\n"
          "  eval     --task recall [--model recall-gqa.bin --filler-model stories260K.bin] [--samples 60 --seed 1\n"
-         "           --length 2048] [--settings question-last,question-later] --methods a,b --ratios r1,r2\n"
+         "           --length 2048] [--settings question-last,question-later] [--threads 1] --methods a,b --ratios r1,r2\n"
          "  compress --keys K.npy --values V.npy --queries Q.npy --method M (--ratio R | --budget M) --out DIR\n"
          "           [--wo WO.npy: the layer's output projection [D][Hq*d], for criticalkv]\n"
          "common: --model FILE --tokenizer FILE (default: $KVC_MODEL_DIR, ./models, ../shared/models)\n"

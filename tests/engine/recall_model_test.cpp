@@ -135,6 +135,9 @@ TEST_CASE("eval --task recall reports every setting, method and ratio, and rejec
   CHECK(rows == 2 * (1 + 2 * 2));
   CHECK(full == 2);
   CHECK(paired == 2 * 2);
+  const std::string one_thread = out;
+  REQUIRE(run(with({"--methods", "snapkv,selkv", "--ratios", "0.25,0.5", "--csv", "--threads", "2"}), out, err) == 0);
+  CHECK(out == one_thread);
   REQUIRE(run(with({"--methods", "snapkv", "--ratios", "0.25", "--settings", "question-later", "--json"}), out, err) == 0);
   CHECK_THAT(out, Contains("\"setting\": \"question-later\"") && Contains("\"method\": \"snapkv\""));
   CHECK_THAT(out, !Contains("question-last"));

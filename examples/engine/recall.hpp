@@ -68,13 +68,14 @@ inline int recall_facts(int length) { return length >= 1024 ? 8 : std::max(1, st
 /// i}, so task i does not depend on n. The context holds recall_facts(length) facts `FACT k v1 v2 END`
 /// (keys distinct), a passkey `PASS d1..d5 END`, and a link `LINK a b END` in the first half of the
 /// filler whose fact `FACT b c1 c2 END` comes later, at random places in the filler. Questions:
-/// `QUERY k ARROW` (answer v1 v2 END), `PASSQ ARROW` (d1..d5 END), `HOPQ a ARROW` (c1 c2 END).
+/// `QUERY k FACT k` (answer v1 v2 END), `PASSQ PASS` (d1..d5 END), `HOPQ a LINK a` (c1 c2 END): each
+/// ends in the item it asks about as the context wrote it.
 inline std::vector<RecallTask> make_recall_tasks(const std::vector<int>& filler, int n, int length, std::uint64_t seed) {
   using T = RecallTokens;
   if (n < 0) throw std::invalid_argument("kvc::engine: recall task count must be >= 0");
   const int facts = recall_facts(length);
   const int fact_tokens = 5 * facts + 7 + 4 + 5;  // facts, passkey, link, the hop's fact
-  const int longest_query = 3 + 6;                // PASSQ ARROW + 5 digits + END
+  const int longest_query = 2 + 6;                // PASSQ PASS, 5 digits, END
   const int min_fill = 8;
   if (length < 1 + fact_tokens + longest_query + min_fill)
     throw std::invalid_argument("kvc::engine: recall length " + std::to_string(length) + " is below the shortest task (" +
@@ -105,14 +106,14 @@ inline std::vector<RecallTask> make_recall_tasks(const std::vector<int>& filler,
     task.kind = static_cast<RecallKind>(i % 3);
     if (task.kind == RecallKind::kFact) {
       const std::vector<int>& f = items[static_cast<std::size_t>(pick(facts))];
-      task.question = {T::kQuery, f[1], T::kArrow};
+      task.question = {T::kQuery, f[1], T::kFact, f[1]};
       task.answer = {f[2], f[3], T::kEnd};
     } else if (task.kind == RecallKind::kPasskey) {
-      task.question = {T::kPassQuery, T::kArrow};
+      task.question = {T::kPassQuery, T::kPass};
       task.answer = digits;
       task.answer.push_back(T::kEnd);
     } else {
-      task.question = {T::kHopQuery, a, T::kArrow};
+      task.question = {T::kHopQuery, a, T::kLink, a};
       task.answer = {c1, c2, T::kEnd};
     }
     const int n_fill = length - 1 - fact_tokens - static_cast<int>(task.question.size() + task.answer.size());

@@ -8,7 +8,10 @@ is examples/engine/recall.hpp, which `kvcompress eval --task recall` uses):
   fact     FACT k v1 v2 END        k from KEYS, v1 v2 from VALUES, keys distinct per sequence
   passkey  PASS d1 d2 d3 d4 d5 END digits 0-9
   link     LINK a b END            a, b from KEYS; the fact for b comes later (multi-hop)
-  queries  QUERY k ARROW -> v1 v2 END | PASSQ ARROW -> d1..d5 END | HOPQ a ARROW -> c1 c2 END
+  queries  QUERY k FACT k -> v1 v2 END | PASSQ PASS -> d1..d5 END | HOPQ a LINK a -> c1 c2 END
+
+Each question ends in the item it asks about as the context wrote it, so that copying the token that
+followed it there (an induction head) answers a fact or the passkey.
 
 The loss is on the answer tokens (weight 1) and on the filler's next token (weight --lm-weight). The
 first --copy-steps steps, and every --copy-every-th step after them, train on copying random task tokens
@@ -207,11 +210,11 @@ def make_sequence(rng, filler, L, n_facts, n_queries, kinds=None):
     for kind in kinds:
         if kind == 0 and n_facts > 0:
             i = int(rng.integers(0, n_facts))
-            qs.append(([QUERY, facts[i][1], ARROW], facts[i][2:4] + [END]))
+            qs.append(([QUERY, facts[i][1], FACT, facts[i][1]], facts[i][2:4] + [END]))
         elif kind == 1:
-            qs.append(([PASSQ, ARROW], digits + [END]))
+            qs.append(([PASSQ, PASS], digits + [END]))
         else:
-            qs.append(([HOPQ, a, ARROW], c + [END]))
+            qs.append(([HOPQ, a, LINK, a], c + [END]))
     link, hopfact = [LINK, a, b, END], [FACT, b, c[0], c[1], END]
     fact_len = sum(len(x) for x in items) + len(link) + len(hopfact)
     while len(qs) > 1 and L - 1 - fact_len - sum(len(p) + len(ans) for p, ans in qs) < 8:
@@ -242,12 +245,18 @@ def make_sequence(rng, filler, L, n_facts, n_queries, kinds=None):
 
 
 def copy_batch(rng, L, B):
-    """Induction warm-up: BOS, then random task tokens s of length (L - 1) // 2, then s again; the loss is on
-    the repeat (a transformer learns to copy from such data within a few hundred steps)."""
-    h = (L - 1) // 2
-    s = rng.choice(np.array(KEYS + VALUES + DIGITS), size=(B, h))
-    x = np.concatenate([np.full((B, 1), BOS), s, s], 1)
-    c = np.concatenate([np.zeros((B, 1 + h), dtype=np.int64), np.full((B, h), 2)], 1)
+    """Induction warm-up: random tokens in which a random span s (8 to L/3 tokens) recurs after a random gap;
+    the loss is on the recurrence but its first token. The span's length and place vary, so that only
+    copying what followed the current token's earlier occurrence (an induction head) predicts it."""
+    x = rng.integers(3, 512, size=(B, L))
+    x[:, 0] = BOS
+    c = np.zeros((B, L), dtype=np.int64)
+    for b in range(B):
+        h = int(rng.integers(8, L // 3 + 1))
+        p1 = int(rng.integers(1, L - 2 * h + 1))
+        p2 = int(rng.integers(p1 + h, L - h + 1))
+        x[b, p2:p2 + h] = x[b, p1:p1 + h]
+        c[b, p2 + 1:p2 + h] = 2
     return torch.from_numpy(x.astype(np.int64)), torch.from_numpy(c)
 
 
@@ -345,7 +354,6 @@ def main():
         pool = lengths if step >= args.long_from * args.steps else lengths[:2]
         L = pool[step % len(pool)]
         if step < args.copy_steps or (args.copy_every and step % args.copy_every == 0):
-            L = 129
             x, c = copy_batch(rng, L, max(1, args.tokens_per_step // L))
         else:
             x, c = batch(rng, filler, L, max(1, args.tokens_per_step // L), args.max_queries)

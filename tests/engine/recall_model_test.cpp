@@ -25,7 +25,7 @@ const Model& story_model() {
 }
 
 const std::vector<int>& filler() {
-  static const std::vector<int> f = recall_filler(story_model(), 8, 3);
+  static const std::vector<int> f = recall_filler(story_model(), 3, 3);  // 1536 tokens
   return f;
 }
 

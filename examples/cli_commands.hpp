@@ -727,9 +727,9 @@ inline int cmd_eval_recall(Args& a, std::ostream& out) {
     throw std::invalid_argument(model_path + ": the recall task needs tok512's vocabulary (512 ids), the model has " +
                                 std::to_string(model.config().vocab_size));
   const engine::Model story = engine::Model::load(filler_path);
-  // Filler: a stream longer than a task, plus a story per task up to 64, so tasks start at many offsets.
+  // Filler: a stream as long as a task plus a story per task up to 64, so tasks start at many offsets.
   const Index story_len = std::max(1, story.config().seq_len);
-  const int stories = static_cast<int>((length + story_len - 1) / story_len + 1 + std::min<Index>(64, samples));
+  const int stories = static_cast<int>((length + story_len - 1) / story_len + std::min<Index>(64, samples));
   const std::vector<int> filler = engine::recall_filler(story, stories, seed);
   const auto tasks = engine::make_recall_tasks(filler, static_cast<int>(samples), static_cast<int>(length), seed + 1);
   const auto rows = run_recall(model, tasks, settings, window, methods, ratios, opts, seed, !quiet, schedule, threads);

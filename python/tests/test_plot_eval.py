@@ -44,7 +44,7 @@ def test_recall_and_kl_json_plot(tool_and_model, tmp_path):
     tool, story = tool_and_model
     # The story model stands in for the recall model: the plot's input shape is what is tested.
     recall = subprocess.run([tool, "eval", "--task", "recall", "--model", story, "--filler-model", story, "--length", "256",
-                             "--samples", "3", "--methods", "snapkv,streaming", "--ratios", "0.25,0.5", "--json", "--quiet"],
+                             "--samples", "2", "--methods", "snapkv,streaming", "--ratios", "0.25,0.5", "--json", "--quiet"],
                             capture_output=True, text=True, check=True).stdout
     rows = json.loads(recall)
     assert {r["setting"] for r in rows} == {"question-last", "question-later"}

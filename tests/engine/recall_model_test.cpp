@@ -114,7 +114,7 @@ TEST_CASE("eval --task recall reports every setting, method and ratio, and rejec
   const std::string story = g_model_dir + "/" + kCheckpointFile;
   // The story model stands in for the recall model: the output's shape, not its accuracy, is tested.
   const std::vector<std::string> base{"eval", "--task", "recall", "--model", story, "--filler-model", story,
-                                      "--length", "512", "--samples", "3", "--quiet"};
+                                      "--length", "256", "--samples", "2", "--quiet"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = base;
     a.insert(a.end(), extra.begin(), extra.end());

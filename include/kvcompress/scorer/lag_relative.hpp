@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -29,9 +31,11 @@ namespace kvc {
 /// t = s + (q−1)·L), above every partition score (< 1). A cache too short for two partitions
 /// (n < s + 2L) scores 1 for the sinks and c_g[j] = (j − s)/(n − s) after them, as kvpress, which
 /// keeps the newest tokens too. Decisions where kvpress divides by zero: a channel constant over
-/// the reference partition gives x̂ = 0; d = 1 gives σ = 0. σ is computed in float SIMD arithmetic for
-/// float, half and bfloat16 caches, in double for double caches and wherever float would overflow, so
-/// any finite cache gives finite scores. Needs no window attention. One pass over K_g and V_g: O(n·d), O(L·d) memory.
+/// the reference partition gives x̂ = 0; d = 1 gives σ = 0. σ and the partition's softmax are computed
+/// in float SIMD arithmetic for float, half and bfloat16 caches (the ranks by one integer sort of the
+/// scores rounded to float, ties by position), in double for double caches and wherever float would
+/// overflow, so any finite cache gives finite scores. Needs no window attention. One pass over K_g and
+/// V_g: O(n·d), O(L·d) memory.
 struct LagRelative {
   struct Arguments {
     Index sinks = 4;   ///< first tokens scored 1 (kvpress n_sink)
@@ -175,25 +179,52 @@ struct LagRelative {
     return true;
   }
 
-  /// Scratch of partition_softmax.
+  /// Scratch of partition_softmax and of the ranking.
   struct Scratch {
     std::vector<double> shift, scale, x;
-    std::vector<float> low, inv, v;
+    std::vector<float> low, inv, v, e;
+    std::vector<std::uint64_t> keys;
   };
 
   /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
-  /// rows [lo + L, lo + 2L) (float SIMD arithmetic for float, half and bfloat16 rows, else double).
+  /// rows [lo + L, lo + 2L): float SIMD arithmetic (spreads and exponentials) for float, half and
+  /// bfloat16 rows, else double.
   template <class Row>
   static void partition_softmax(Row row, Index lo, Index L, Index d, Scratch& w, std::vector<double>& s) {
     using E = std::remove_cv_t<std::remove_pointer_t<decltype(row(lo))>>;
-    bool done = false;
-    if constexpr (!std::is_same_v<E, double>) done = spreads_float(row, lo, L, d, w.low, w.inv, w.v, s);
-    if (!done) spreads_double(row, lo, L, d, w.shift, w.scale, w.x, s);
+    if constexpr (!std::is_same_v<E, double>) {
+      if (spreads_float(row, lo, L, d, w.low, w.inv, w.v, s)) {
+        w.e.resize(static_cast<std::size_t>(L));
+        float top = -std::numeric_limits<float>::infinity();
+        for (Index j = 0; j < L; ++j) top = std::max(top, w.e[static_cast<std::size_t>(j)] = static_cast<float>(s[static_cast<std::size_t>(j)]));
+        const float z = simd::exp_shift_sum<simd::default_arch>(w.e.data(), L, top);  // >= 1: the top's term
+        for (Index j = 0; j < L; ++j) s[static_cast<std::size_t>(j)] = static_cast<double>(w.e[static_cast<std::size_t>(j)] / z);
+        return;
+      }
+    }
+    spreads_double(row, lo, L, d, w.shift, w.scale, w.x, s);
     double top = -std::numeric_limits<double>::infinity();
     for (Index j = 0; j < L; ++j) top = std::max(top, s[static_cast<std::size_t>(j)]);
     double z = 0;
     for (Index j = 0; j < L; ++j) z += (s[static_cast<std::size_t>(j)] = std::exp(s[static_cast<std::size_t>(j)] - top));
     for (Index j = 0; j < L; ++j) s[static_cast<std::size_t>(j)] /= z;
+  }
+
+  /// keys (L) <- (float bits of score j) · 2^32 + j, sorted: ascending score rounded to float, ties by
+  /// position (non-negative floats order as their bits). False, sorting nothing, when a score is NaN,
+  /// negative or L does not fit 32 bits.
+  static bool rank_by_keys(const std::vector<double>& score, Index L, std::vector<std::uint64_t>& keys) {
+    if (L > Index(0xFFFFFFFF)) return false;
+    keys.resize(static_cast<std::size_t>(L));
+    for (Index j = 0; j < L; ++j) {
+      const float f = static_cast<float>(score[static_cast<std::size_t>(j)]);
+      if (!(f >= 0.0f)) return false;
+      std::uint32_t bits = 0;
+      std::memcpy(&bits, &f, sizeof bits);
+      keys[static_cast<std::size_t>(j)] = (static_cast<std::uint64_t>(bits) << 32) | static_cast<std::uint64_t>(j);
+    }
+    std::sort(keys.begin(), keys.end());
+    return true;
   }
 
   template <class T>
@@ -220,6 +251,14 @@ struct LagRelative {
       if (!args.rank) {
         for (Index j = 0; j < L; ++j) out[lo + j] = static_cast<Real>(key_s[static_cast<std::size_t>(j)]);
         continue;
+      }
+      if constexpr (!std::is_same_v<T, double>) {
+        if (rank_by_keys(key_s, L, scratch.keys)) {  // the float path's scores: one integer sort
+          for (Index r = 0; r < L; ++r)
+            out[lo + static_cast<Index>(scratch.keys[static_cast<std::size_t>(r)] & 0xFFFFFFFFu)] =
+                static_cast<Real>(static_cast<double>(r) / static_cast<double>(L));
+          continue;
+        }
       }
       std::iota(order.begin(), order.end(), Index(0));
       // Ascending score, ties (and NaN, placed first) by position: a strict weak order.

@@ -800,6 +800,48 @@ inline int cmd_eval(Args& a, std::ostream& out) {
 
 // ---- compress -------------------------------------------------------------------------------------
 
+/// compress --explain G: every head's merge map as merge_{evicted,target,gate}.npy ([H][E], E the most
+/// entries a head evicted; padding -1, -1, 0), and head G's in words.
+inline void write_merge_map(const LayerResult<float>& r, Index g, const std::string& dir, std::ostream& out) {
+  const std::int64_t H = static_cast<std::int64_t>(r.heads.size());
+  std::int64_t E = 0;
+  for (const auto& h : r.heads) E = std::max<std::int64_t>(E, static_cast<std::int64_t>(h.merges.evicted.size()));
+  std::vector<std::int32_t> evicted(static_cast<std::size_t>(H * E), -1), target(evicted.size(), -1);
+  std::vector<float> gate(evicted.size(), 0.0f);
+  for (std::int64_t h = 0; h < H; ++h) {
+    const MergeMap<float>& mm = r.heads[static_cast<std::size_t>(h)].merges;
+    for (std::size_t e = 0; e < mm.evicted.size(); ++e) {
+      const std::size_t at = static_cast<std::size_t>(h * E) + e;
+      evicted[at] = static_cast<std::int32_t>(mm.evicted[e]);
+      target[at] = static_cast<std::int32_t>(mm.target[e]);
+      gate[at] = mm.gate[e];
+    }
+  }
+  engine::write_npy(dir + "/merge_evicted.npy", {H, E}, evicted.data());
+  engine::write_npy(dir + "/merge_target.npy", {H, E}, target.data());
+  engine::write_npy(dir + "/merge_gate.npy", {H, E}, gate.data());
+  // Head g: per kept entry that received merges, the evicted entries folded into it with their gates.
+  const MergeMap<float>& mm = r.heads[static_cast<std::size_t>(g)].merges;
+  std::map<Index, std::vector<std::size_t>> into;
+  std::size_t merged = 0;
+  for (std::size_t e = 0; e < mm.evicted.size(); ++e)
+    if (mm.target[e] >= 0 && mm.gate[e] > 0.0f) {
+      into[mm.target[e]].push_back(e);
+      ++merged;
+    }
+  out << "head " << g << ": " << mm.evicted.size() << " evicted, " << merged << " merged into " << into.size()
+      << " kept entries, " << mm.evicted.size() - merged << " dropped\n";
+  char buf[64];
+  for (const auto& [kept, list] : into) {
+    out << "  " << kept << " <-";
+    for (const std::size_t e : list) {
+      std::snprintf(buf, sizeof buf, " %lld (%.3f)", static_cast<long long>(mm.evicted[e]), static_cast<double>(mm.gate[e]));
+      out << buf;
+    }
+    out << "\n";
+  }
+}
+
 inline int cmd_compress(Args& a, std::ostream& out) {
   const std::string kp = a.path("keys"), vp = a.path("values"), qp = a.path("queries"), dir = a.path("out");
   const std::string wp = a.path("wo");  // optional: the layer's output projection (criticalkv)
@@ -807,7 +849,9 @@ inline int cmd_compress(Args& a, std::ostream& out) {
   if (kp.empty() || vp.empty() || qp.empty() || dir.empty())
     throw std::invalid_argument("compress needs --keys, --values, --queries and --out");
   const Budget budget = budget_from(a);
-  const MethodOptions opts = method_options(a);
+  MethodOptions opts = method_options(a);
+  const Index explain = a.has("explain") ? a.integer("explain", 0, 0, std::numeric_limits<Index>::max()) : -1;
+  opts.record_merges = explain >= 0;
   a.reject_unused();
   const engine::NpyArray K = engine::read_npy(kp), V = engine::read_npy(vp), Q = engine::read_npy(qp);
   auto check = [](const engine::NpyArray& arr, const std::string& path, const char* name) {
@@ -841,7 +885,11 @@ inline int cmd_compress(Args& a, std::ostream& out) {
     for (std::int64_t i = 0; i < len[static_cast<std::size_t>(g)]; ++i)
       pos[static_cast<std::size_t>(g * m + i)] = static_cast<std::int32_t>(r.heads[static_cast<std::size_t>(g)].positions[i]);
   }
+  if (explain >= H)
+    throw std::invalid_argument("--explain " + std::to_string(explain) + ": the keys have " + std::to_string(H) +
+                                " KV heads");
   std::filesystem::create_directories(dir);
+  if (explain >= 0) write_merge_map(r, explain, dir, out);
   engine::write_npy(dir + "/positions.npy", {H, m}, pos.data());
   engine::write_npy(dir + "/keys.npy", {H, m, d}, keys.data());
   engine::write_npy(dir + "/values.npy", {H, m, d}, values.data());
@@ -865,6 +913,7 @@ inline std::string usage() {
          "           --length 2048] [--settings question-last,question-later] [--threads 1] --methods a,b --ratios r1,r2\n"
          "  compress --keys K.npy --values V.npy --queries Q.npy --method M (--ratio R | --budget M) --out DIR\n"
          "           [--wo WO.npy: the layer's output projection [D][Hq*d], for criticalkv]\n"
+         "           [--explain G: merge_{evicted,target,gate}.npy, and head G's merges printed]\n"
          "common: --model FILE --tokenizer FILE (default: $KVC_MODEL_DIR, ./models, ../shared/models)\n"
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"

@@ -24,6 +24,7 @@ struct MethodOptions {
   std::optional<double> alpha, lambda, beta, r_max, threshold;
   std::optional<bool> safeguard, reposition;
   double rope_theta = 10000.0;  // the model's RoPE base (repositioning, expected-attention)
+  bool record_merges = false;  // fill each head's merge map (compress --explain)
 };
 
 using Compressor = std::function<LayerResult<float>(const LayerView<float>&, const Budget&)>;

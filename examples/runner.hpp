@@ -84,12 +84,14 @@ std::unique_ptr<Runner<T>> make_runner(const std::string& method, const MethodOp
   if (swaps_stages(options)) {
     auto args = composed_arguments(method, options);
     args.threads = threads;
+    args.record_merges = options.record_merges;
     return std::make_unique<detail::PresetRunner<T, Composed>>(args);
   }
   return visit_method(method, [&](auto tag) -> std::unique_ptr<Runner<T>> {
     using Preset = typename decltype(tag)::type;
     auto args = method_arguments<Preset>(options, method);
     args.threads = threads;
+    args.record_merges = options.record_merges;
     return std::make_unique<detail::PresetRunner<T, Preset>>(args);
   });
 }

@@ -887,3 +887,52 @@ TEST_CASE("a result large enough for streaming stores holds exactly the cache ro
   STATIC_REQUIRE(policy_traits<RidgeMerge>::reads_kept_keys);  // GRKV reads them: never streamed
   STATIC_REQUIRE(policy_traits<BucketRouter<>>::fills_keys);
 }
+
+TEST_CASE("record_merges: each head's merge map follows the reference routing and changes nothing else",
+          "[pipeline][merge_map]") {
+  INFO("seed " << kvc::test::test_seed());
+  Data f(977);
+  kvc::test::LayerBuffers<double> b(f.K, f.V, f.Q, Layout::head_major);
+  const Budget budget = Budget::ratio(0.3);
+  const auto plain = kvc::SelKV{}.run(b.view(), budget);
+  kvc::SelKV::Arguments args;
+  args.record_merges = true;
+  kvc::SelKV recording(args);
+  const auto r = recording.run(b.view(), budget);
+  check_identical(r, plain);  // positions, keys, values, bias: recording changes no result
+  for (const auto& h : plain.heads) CHECK(h.merges.evicted.empty());
+  for (long g = 0; g < f.Hkv; ++g) {
+    INFO("head " << g);
+    const auto& head = r.heads[static_cast<std::size_t>(g)];
+    const kvc::MergeMap<double>& mm = head.merges;
+    REQUIRE(mm.evicted.size() == static_cast<std::size_t>(f.n) - head.positions.size());
+    REQUIRE(mm.target.size() == mm.evicted.size());
+    REQUIRE(mm.gate.size() == mm.evicted.size());
+    std::vector<long> kept(head.positions.begin(), head.positions.end());
+    std::vector<bool> seen(static_cast<std::size_t>(f.n), false);
+    for (const long p : kept) seen[static_cast<std::size_t>(p)] = true;
+    const std::vector<long> route = ref::route(g, kept, f.n, ref::RouteKeyCosine, 32, f.K, Eigen::MatrixXd(), {}, 2);
+    long merged = 0;
+    for (std::size_t e = 0; e < mm.evicted.size(); ++e) {
+      const long j = static_cast<long>(mm.evicted[e]);
+      CHECK_FALSE(seen[static_cast<std::size_t>(j)]);  // evicted and kept partition the positions
+      seen[static_cast<std::size_t>(j)] = true;
+      if (e > 0) CHECK(mm.evicted[e - 1] < mm.evicted[e]);
+      CHECK(mm.target[e] == route[static_cast<std::size_t>(j)]);
+      CHECK(mm.gate[e] >= 0.0);
+      CHECK(mm.gate[e] <= 1.0);
+      merged += mm.gate[e] > 0.0;
+    }
+    CHECK(merged == head.diagnostics.merged);
+  }
+  // A method that routes nothing reports every evicted entry unrouted and dropped.
+  kvc::SnapKV::Arguments snap;
+  snap.record_merges = true;
+  for (const auto& h : kvc::SnapKV(snap).run(b.view(), budget).heads) {
+    REQUIRE(h.merges.evicted.size() == static_cast<std::size_t>(f.n) - h.positions.size());
+    for (std::size_t e = 0; e < h.merges.evicted.size(); ++e) {
+      CHECK(h.merges.target[e] == -1);
+      CHECK(h.merges.gate[e] == 0.0);
+    }
+  }
+}

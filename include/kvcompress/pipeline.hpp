@@ -249,6 +249,7 @@ class Pipeline {
                                ///< through the logits / scores when a stage reads them anyway. Off
                                ///< waives these input checks only: results are always checked
     Index threads = 1;  ///< worker threads over KV heads; <= 1 = serial, no thread is created (parallel.hpp)
+    bool record_merges = false;  ///< fill each HeadResult::merges (where the evicted entries went)
   };
 
   Pipeline() = default;
@@ -609,6 +610,19 @@ class Pipeline {
     } else {  // a view compressed before: the kept entries' stored positions
       out.positions.resize(kept.size());
       for (std::size_t i = 0; i < kept.size(); ++i) out.positions[i] = ctx.position(kept[i]);
+    }
+    out.merges.evicted.clear();
+    out.merges.target.clear();
+    out.merges.gate.clear();
+    if (args_.record_merges) {
+      const auto& evicted = ctx.evicted();
+      const bool stored = ctx.layer().positions.data != nullptr;
+      for (std::size_t e = 0; e < evicted.size(); ++e) {
+        const Index t = routing.routed() ? routing.target[e] : Index(-1);
+        out.merges.evicted.push_back(stored ? ctx.position(evicted[e]) : evicted[e]);
+        out.merges.target.push_back(t < 0 ? Index(-1) : out.positions[static_cast<std::size_t>(t)]);
+        out.merges.gate.push_back(merged.gate[static_cast<Index>(e)]);
+      }
     }
     out.diagnostics = merged.diagnostics;
     fill_counts(merged, out.diagnostics);

@@ -14,6 +14,16 @@
 
 namespace kvc {
 
+/// Where one head's evicted entries went, filled when Pipeline::Arguments::record_merges is set (else
+/// empty): per evicted entry, in ascending position, its position, the position of the kept entry the
+/// router sent it to (-1 when the method routes nothing) and its merge gate (0: dropped).
+template <class Real>
+struct MergeMap {
+  std::vector<Index> evicted;
+  std::vector<Index> target;
+  std::vector<Real> gate;
+};
+
 /// One compressed KV head.
 template <class Real>
 struct HeadResult {
@@ -22,6 +32,7 @@ struct HeadResult {
   RowMatrix<Real> values;        // (m_g, d)
   Vector<Real> bias;             // (m_g) additive decode-time logit bias
   HeadDiagnostics diagnostics;
+  MergeMap<Real> merges;         // with Pipeline::Arguments::record_merges
 
   Index size() const { return static_cast<Index>(positions.size()); }
 };

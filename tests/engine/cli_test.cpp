@@ -6,6 +6,7 @@
 #include "support/random.hpp"
 #include "support/test_utils.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -83,6 +84,49 @@ TEST_CASE("compress round-trips through .npy and matches the library", "[cli][np
     }
     CHECK(total == H * 24);
   }
+}
+
+TEST_CASE("compress --explain writes every head's merge map and prints one head's", "[cli][npy][merge_map]") {
+  auto rng = kvc::test::make_rng(78);
+  const std::int64_t H = 2, Hq = 4, n = 64, d = 8, W = 8;
+  const auto K = random_floats(H * n * d, rng), V = random_floats(H * n * d, rng), Q = random_floats(Hq * W * d, rng);
+  TempDir tmp;
+  kvc::engine::write_npy(tmp / "K.npy", {H, n, d}, K.data());
+  kvc::engine::write_npy(tmp / "V.npy", {H, n, d}, V.data());
+  kvc::engine::write_npy(tmp / "Q.npy", {Hq, W, d}, Q.data());
+  std::string out, err;
+  const std::vector<std::string> args{"compress", "--keys", tmp / "K.npy", "--values", tmp / "V.npy", "--queries",
+                                      tmp / "Q.npy", "--method", "selkv", "--budget", "16", "--out", tmp / "o"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = args;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  REQUIRE(run(with({"--explain", "1"}), out, err) == 0);
+  CHECK_THAT(out, Catch::Contains("head 1: 48 evicted, "));
+  const auto evicted = kvc::engine::read_npy(tmp / "o/merge_evicted.npy");
+  const auto target = kvc::engine::read_npy(tmp / "o/merge_target.npy");
+  const auto gate = kvc::engine::read_npy(tmp / "o/merge_gate.npy");
+  const auto pos = kvc::engine::read_npy(tmp / "o/positions.npy");
+  REQUIRE(evicted.shape == std::vector<std::int64_t>{H, n - 16});
+  REQUIRE(target.shape == evicted.shape);
+  REQUIRE(gate.shape == evicted.shape);
+  for (std::int64_t g = 0; g < H; ++g) {
+    std::vector<int> count(static_cast<std::size_t>(n), 0);
+    for (std::int64_t i = 0; i < 16; ++i) ++count[static_cast<std::size_t>(pos.i[static_cast<std::size_t>(g * 16 + i)])];
+    for (std::int64_t e = 0; e < n - 16; ++e) {
+      const std::size_t at = static_cast<std::size_t>(g * (n - 16) + e);
+      ++count[static_cast<std::size_t>(evicted.i[at])];
+      const std::int64_t t = target.i[at];
+      CHECK(std::find(pos.i.begin() + g * 16, pos.i.begin() + (g + 1) * 16, t) != pos.i.begin() + (g + 1) * 16);
+      CHECK(gate.f[at] >= 0.0f);
+      CHECK(gate.f[at] <= 1.0f);
+    }
+    CHECK(std::count(count.begin(), count.end(), 1) == n);  // kept and evicted: every position once
+  }
+  CHECK(run(with({"--explain", "2"}), out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--explain 2: the keys have 2 KV heads"));
+  CHECK(run(with({"--explain", "-1"}), out, err) == 2);
 }
 
 TEST_CASE("compress accepts float16 .npy inputs", "[cli][npy]") {

@@ -469,12 +469,15 @@ inline void print_table(const std::vector<EvalRow>& rows, std::ostream& out) {
   }
 }
 
+/// An interval as JSON: {"mean": …, "lo": …, "hi": …}.
+inline std::string json_interval(const engine::Interval& i) {
+  char b[160];
+  std::snprintf(b, sizeof b, "{\"mean\": %.8g, \"lo\": %.8g, \"hi\": %.8g}", i.mean, i.lo, i.hi);
+  return b;
+}
+
 inline void print_json(const std::vector<EvalRow>& rows, std::ostream& out) {
-  auto iv = [](const engine::Interval& i) {
-    char b[160];
-    std::snprintf(b, sizeof b, "{\"mean\": %.8g, \"lo\": %.8g, \"hi\": %.8g}", i.mean, i.lo, i.hi);
-    return std::string(b);
-  };
+  const auto iv = json_interval;
   out << "[\n";
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const auto& r = rows[i];
@@ -527,6 +530,24 @@ inline std::vector<std::vector<int>> read_token_sequences(const std::string& pat
   return seqs;
 }
 
+/// The grid and output of an eval: --methods, --ratios (default `ratios`), --json | --csv, --quiet.
+struct EvalGrid {
+  std::vector<std::string> methods;
+  std::vector<double> ratios;
+  bool json = false, csv = false, quiet = false;
+};
+
+inline EvalGrid eval_grid(Args& a, const std::string& ratios) {
+  EvalGrid g;
+  g.methods = a.list("methods", "streaming,snapkv,selkv-evict,selkv,grkv");
+  for (const auto& r : a.list("ratios", ratios)) g.ratios.push_back(Args::parse_ratio("ratios", r));
+  g.json = a.flag("json");
+  g.csv = a.flag("csv");
+  g.quiet = a.flag("quiet");
+  if (g.json && g.csv) throw std::invalid_argument("give either --json or --csv, not both");
+  return g;
+}
+
 // ---- eval --task recall -----------------------------------------------------------------------------
 
 struct RecallRow {
@@ -571,14 +592,14 @@ inline std::vector<RecallRow> run_recall(const engine::Model& model, const std::
         std::vector<engine::LayerCompressor> fns(E);
         std::vector<const engine::LayerCompressor*> ptrs(E, nullptr);
         for (std::size_t e = 1; e < E; ++e) {
-          fns[e] = [comp = make_method(proto[e].method, opts), budget = Budget::ratio(proto[e].ratio), &schedule, layers,
-                    kept_e = &kept[w][e], all_e = &all[w][e]](const engine::LayerInput& in) {
-            const LayerView<float> layer = view_of(in);
-            const LayerResult<float> res = comp(layer, layer_budget(budget, schedule, layers, in));
+          Compressor counted = [comp = make_method(proto[e].method, opts), kept_e = &kept[w][e], all_e = &all[w][e]](
+                                   const LayerView<float>& layer, const Budget& budget) {
+            LayerResult<float> res = comp(layer, budget);
             for (const auto& h : res.heads) *kept_e += static_cast<double>(h.positions.size());
             *all_e += static_cast<double>(layer.kv_heads() * layer.tokens());
-            return to_engine(res);
+            return res;
           };
+          fns[e] = engine_compressor(std::move(counted), Budget::ratio(proto[e].ratio), schedule, layers);
           ptrs[e] = &fns[e];
         }
         for (std::size_t t = w; t < N; t += T) {
@@ -635,18 +656,13 @@ inline void print_recall(const std::vector<RecallRow>& rows, bool json, bool csv
     out << "[\n";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const RecallRow& r = rows[i];
-      std::snprintf(buf, sizeof buf,
-                    "  {\"task\": \"recall\", \"setting\": \"%s\", \"method\": \"%s\", \"ratio\": %g, "
-                    "\"accuracy\": {\"mean\": %.8g, \"lo\": %.8g, \"hi\": %.8g}, \"fact\": %.8g, \"passkey\": %.8g, "
-                    "\"hop\": %.8g, \"kept\": %.8g",
-                    engine::recall_setting_name(r.setting), r.method.c_str(), r.ratio, r.accuracy.mean, r.accuracy.lo,
-                    r.accuracy.hi, r.by_kind[0], r.by_kind[1], r.by_kind[2], r.kept);
+      std::snprintf(buf, sizeof buf, "  {\"task\": \"recall\", \"setting\": \"%s\", \"method\": \"%s\", \"ratio\": %g, ",
+                    engine::recall_setting_name(r.setting), r.method.c_str(), r.ratio);
+      out << buf << "\"accuracy\": " << json_interval(r.accuracy);
+      std::snprintf(buf, sizeof buf, ", \"fact\": %.8g, \"passkey\": %.8g, \"hop\": %.8g, \"kept\": %.8g", r.by_kind[0],
+                    r.by_kind[1], r.by_kind[2], r.kept);
       out << buf;
-      if (r.has_pair) {
-        std::snprintf(buf, sizeof buf, ", \"accuracy_minus_snapkv\": {\"mean\": %.8g, \"lo\": %.8g, \"hi\": %.8g}",
-                      r.minus_snapkv.mean, r.minus_snapkv.lo, r.minus_snapkv.hi);
-        out << buf;
-      }
+      if (r.has_pair) out << ", \"accuracy_minus_snapkv\": " << json_interval(r.minus_snapkv);
       out << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     out << "]\n";
@@ -708,17 +724,13 @@ inline int cmd_eval_recall(Args& a, std::ostream& out) {
     else if (s == "question-later") settings.push_back(engine::RecallSetting::kQuestionLater);
     else throw std::invalid_argument("--settings takes question-last and question-later, got '" + s + "'");
   }
-  const std::vector<std::string> methods = a.list("methods", "streaming,snapkv,selkv-evict,selkv,grkv");
-  std::vector<double> ratios;
-  for (const auto& r : a.list("ratios", "0.05,0.1,0.25,0.5")) ratios.push_back(Args::parse_ratio("ratios", r));
-  const bool json = a.flag("json"), csv = a.flag("csv"), quiet = a.flag("quiet");
-  if (json && csv) throw std::invalid_argument("give either --json or --csv, not both");
+  const EvalGrid grid = eval_grid(a, "0.05,0.1,0.25,0.5");
   const MethodOptions opts = method_options(a);
   const LayerScheduleArguments schedule = layer_schedule(a);
   a.reject_unused();
   if (opts.reposition.value_or(false))
     throw std::invalid_argument("--reposition does not apply with --task recall (the question follows the compressed cache)");
-  for (const auto& m : methods) make_method(m, opts);  // fail fast on a bad name or option
+  for (const auto& m : grid.methods) make_method(m, opts);  // fail fast on a bad name or option
   const engine::Model model = engine::Model::load(model_path);
   if (length > model.config().seq_len)
     throw std::invalid_argument("--length " + std::to_string(length) + " exceeds the model's context of " +
@@ -732,11 +744,12 @@ inline int cmd_eval_recall(Args& a, std::ostream& out) {
   const int stories = static_cast<int>((length + story_len - 1) / story_len + std::min<Index>(64, samples));
   const std::vector<int> filler = engine::recall_filler(story, stories, seed);
   const auto tasks = engine::make_recall_tasks(filler, static_cast<int>(samples), static_cast<int>(length), seed + 1);
-  const auto rows = run_recall(model, tasks, settings, window, methods, ratios, opts, seed, !quiet, schedule, threads);
-  if (!json && !csv)
+  const auto rows =
+      run_recall(model, tasks, settings, window, grid.methods, grid.ratios, opts, seed, !grid.quiet, schedule, threads);
+  if (!grid.json && !grid.csv)
     out << "recall: " << tasks.size() << " tasks of " << length << " tokens (fact, passkey, hop in turn), window "
         << window << "; exact-match accuracy with bootstrap 95% intervals\n";
-  print_recall(rows, json, csv, out);
+  print_recall(rows, grid.json, grid.csv, out);
   return 0;
 }
 
@@ -757,17 +770,13 @@ inline int cmd_eval(Args& a, std::ostream& out) {
   engine::EvalConfig config;
   config.prefix = a.integer("prefix", engine::ProtocolDefaults::kPrefix, 1, std::numeric_limits<Index>::max());
   config.window = a.integer("window", engine::ProtocolDefaults::kWindow, 1, std::numeric_limits<Index>::max());
-  const std::vector<std::string> methods = a.list("methods", "streaming,snapkv,selkv-evict,selkv,grkv");
-  std::vector<double> ratios;
-  for (const auto& r : a.list("ratios", "0.1,0.25,0.5")) ratios.push_back(Args::parse_ratio("ratios", r));
-  const bool json = a.flag("json"), csv = a.flag("csv"), quiet = a.flag("quiet");
-  if (json && csv) throw std::invalid_argument("give either --json or --csv, not both");
+  const EvalGrid grid = eval_grid(a, "0.1,0.25,0.5");
   const MethodOptions opts = method_options(a);
   const LayerScheduleArguments schedule = layer_schedule(a);
   const GrowthOptions growth = growth_options(a);
   a.reject_unused();
   check_growth(growth, opts);
-  for (const auto& m : methods) make_method(m, opts);  // fail fast on a bad name or option
+  for (const auto& m : grid.methods) make_method(m, opts);  // fail fast on a bad name or option
 
   std::vector<std::vector<int>> seqs;
   if (!tokens_path.empty()) seqs = read_token_sequences(tokens_path);  // before the model: fail fast
@@ -783,9 +792,9 @@ inline int cmd_eval(Args& a, std::ostream& out) {
                                     std::to_string(seqs[s][t]) + " is outside the model's vocabulary [0, " +
                                     std::to_string(model.config().vocab_size) + ")");
   if (tokens_path.empty()) seqs = engine::sample_sequences(model, static_cast<int>(samples), static_cast<int>(length), seed);
-  const auto rows = run_eval(model, seqs, config, methods, ratios, opts, seed, !quiet, schedule, growth);
-  if (json) print_json(rows, out);
-  else if (csv) print_csv(rows, out);
+  const auto rows = run_eval(model, seqs, config, grid.methods, grid.ratios, opts, seed, !grid.quiet, schedule, growth);
+  if (grid.json) print_json(rows, out);
+  else if (grid.csv) print_csv(rows, out);
   else {
     out << seqs.size() << " sequences of " << seqs[0].size() << " tokens, prefix " << config.prefix << " compressed per layer";
     if (growth.prefill_chunk > 0) out << " after each " << growth.prefill_chunk << "-token chunk";

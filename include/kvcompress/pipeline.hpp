@@ -617,6 +617,9 @@ class Pipeline {
     if (args_.record_merges) {
       const auto& evicted = ctx.evicted();
       const bool stored = ctx.layer().positions.data != nullptr;
+      out.merges.evicted.reserve(evicted.size());
+      out.merges.target.reserve(evicted.size());
+      out.merges.gate.reserve(evicted.size());
       for (std::size_t e = 0; e < evicted.size(); ++e) {
         const Index t = routing.routed() ? routing.target[e] : Index(-1);
         out.merges.evicted.push_back(stored ? ctx.position(evicted[e]) : evicted[e]);

@@ -1,6 +1,7 @@
 // Real-model tests of the examples/engine harness (TinyStories-260K). Exits 77 (skip) without the model.
 #include <catch2/catch.hpp>
 
+#include "support/model_dir.hpp"
 #include "support/test_main.hpp"
 
 #include "engine/eval.hpp"
@@ -25,7 +26,7 @@ using namespace kvc::engine;
 
 namespace {
 
-std::string g_model_dir;  // set by needs_model before the tests run
+const std::string& g_model_dir = kvc::test::model_dir();
 
 std::string checkpoint_path() { return g_model_dir + "/" + kCheckpointFile; }
 std::string tokenizer_path() { return g_model_dir + "/" + kTokenizerFile; }
@@ -1054,10 +1055,5 @@ TEST_CASE("malformed tokenizers are rejected with messages naming the file", "[e
 }
 
 namespace {
-const kvc::test::RunOnlyIf needs_model([]() -> std::string {
-  const auto dir = find_model_dir();
-  if (!dir) return model_missing_message();
-  g_model_dir = *dir;
-  return "";
-});
+const kvc::test::RunOnlyIf needs_model(kvc::test::model_dir_missing);
 }  // namespace

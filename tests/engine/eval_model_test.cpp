@@ -3,6 +3,7 @@
 // ratio the compressed run differs. `generate` and `eval` run end to end. Exits 77 without the model.
 #include <catch2/catch.hpp>
 
+#include "support/model_dir.hpp"
 #include "support/test_main.hpp"
 
 #include "cli_commands.hpp"
@@ -14,7 +15,7 @@
 #include <sstream>
 
 namespace {
-std::string g_model_dir;
+const std::string& g_model_dir = kvc::test::model_dir();
 
 int run(std::vector<std::string> args, std::string& out, std::string& err) {
   args.insert(args.end(), {"--model", g_model_dir + "/stories260K.bin", "--tokenizer", g_model_dir + "/tok512.bin"});
@@ -380,10 +381,5 @@ TEST_CASE("generate and eval keep a paged cache with --block-size", "[cli][model
 }
 
 namespace {
-const kvc::test::RunOnlyIf needs_model([]() -> std::string {
-  const auto dir = kvc::engine::find_model_dir();
-  if (!dir) return kvc::engine::model_missing_message();
-  g_model_dir = *dir;
-  return "";
-});
+const kvc::test::RunOnlyIf needs_model(kvc::test::model_dir_missing);
 }  // namespace

@@ -4,6 +4,7 @@
 // TinyStories-260K: exits 77 without it.
 #include <catch2/catch.hpp>
 
+#include "support/model_dir.hpp"
 #include "support/test_main.hpp"
 
 #include "cli_commands.hpp"
@@ -17,7 +18,7 @@ using namespace kvc::engine;
 using Catch::Matchers::Contains;
 
 namespace {
-std::string g_model_dir;
+const std::string& g_model_dir = kvc::test::model_dir();
 
 const Model& story_model() {
   static const Model m = Model::load(g_model_dir + "/" + kCheckpointFile);
@@ -152,10 +153,5 @@ TEST_CASE("eval --task recall reports every setting, method and ratio, and rejec
 }
 
 namespace {
-const kvc::test::RunOnlyIf needs_model([]() -> std::string {
-  const auto dir = find_model_dir();
-  if (!dir) return model_missing_message();
-  g_model_dir = *dir;
-  return "";
-});
+const kvc::test::RunOnlyIf needs_model(kvc::test::model_dir_missing);
 }  // namespace

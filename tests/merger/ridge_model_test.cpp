@@ -3,6 +3,7 @@
 // Exits 77 (reported as skipped) when the model files are absent.
 #include <catch2/catch.hpp>
 
+#include "support/model_dir.hpp"
 #include "support/test_main.hpp"
 
 #include "engine/eval.hpp"
@@ -13,7 +14,7 @@
 #include <iostream>
 
 namespace {
-std::string g_model_dir;
+const std::string& g_model_dir = kvc::test::model_dir();
 
 /// Prefills `prefix` tokens of a sampled sequence and calls fn(layer_index, LayerView) on every layer.
 template <class Fn>
@@ -98,10 +99,5 @@ TEST_CASE("SnapKV + GRKV lowers the window error on real caches", "[ridge][model
 }
 
 namespace {
-const kvc::test::RunOnlyIf needs_model([]() -> std::string {
-  const auto dir = kvc::engine::find_model_dir();
-  if (!dir) return kvc::engine::model_missing_message();
-  g_model_dir = *dir;
-  return "";
-});
+const kvc::test::RunOnlyIf needs_model(kvc::test::model_dir_missing);
 }  // namespace

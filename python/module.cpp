@@ -114,7 +114,7 @@ void same_dtype(const Input& a, const char* an, const Input& b, const char* bn) 
 
 const char* const kOptionNames =
     "pool, pooling, recent, sinks, bucket, route, selection, alpha, r_max, lambda (or lambda_), lambda_mode, holdout_every, beta, steps, block_size, block_score, "
-    "safeguard, reposition, threshold, scorer, merger, compensator, allocation";
+    "safeguard, reposition, threshold, scorer, merger, compensator, allocation, record_merges";
 
 std::string type_name(py::handle v) { return py::str(py::type::of(v).attr("__name__")); }
 
@@ -200,6 +200,7 @@ cli::MethodOptions method_options(const py::kwargs& kwargs) {
       o.lambda = as_number(key, v);
     } else if (key == "safeguard") o.safeguard = as_flag(key, v);
     else if (key == "reposition") o.reposition = as_flag(key, v);
+    else if (key == "record_merges") o.record_merges = as_flag(key, v);
     else throw py::type_error("unknown option '" + key + "' (options: " + kOptionNames + ")");
   }
   return o;
@@ -241,6 +242,7 @@ struct Store {
   LayerResult<float> result;
   Index tokens = 0;  // n of the input
   Index dim = 0;
+  bool merges = false;  // the run recorded merge maps (record_merges=True)
   std::uint64_t generation = 0;
   enum Field { kPositions, kKeys, kValues, kBias, kLengths, kFields };
   py::object arrays[kFields];
@@ -317,6 +319,37 @@ class Result {
     out["cg_status"] = py::module_::import("numpy").attr("array")(status);
     out["key_step_rejected"] = key_rejected;
     out["value_step_rejected"] = value_rejected;
+    return out;
+  }
+
+  /// Where each head's evicted entries went (record_merges=True): per KV head, in ascending position,
+  /// each evicted entry's position, the kept position it was routed to (-1: not routed) and its gate,
+  /// padded to the longest head with -1, -1 and 0; "count" holds each head's number of entries.
+  py::dict merges() {
+    const auto& hs = res().heads;
+    if (!store_->merges)
+      throw py::value_error("this result has no merge maps: pass record_merges=True to compress or Compressor");
+    const Index H = heads();
+    std::size_t e = 0;
+    for (const auto& h : hs) e = std::max(e, h.merges.evicted.size());
+    const auto E = static_cast<py::ssize_t>(e);
+    py::array_t<std::int64_t> evicted({H, E}), target({H, E}), count(H);
+    py::array_t<float> gate({H, E});
+    for (Index g = 0; g < H; ++g) {
+      const MergeMap<float>& mm = hs[g].merges;
+      count.mutable_at(g) = static_cast<std::int64_t>(mm.evicted.size());
+      for (py::ssize_t i = 0; i < E; ++i) {
+        const bool in = static_cast<std::size_t>(i) < mm.evicted.size();
+        evicted.mutable_at(g, i) = in ? mm.evicted[static_cast<std::size_t>(i)] : -1;
+        target.mutable_at(g, i) = in ? mm.target[static_cast<std::size_t>(i)] : -1;
+        gate.mutable_at(g, i) = in ? mm.gate[static_cast<std::size_t>(i)] : 0.0f;
+      }
+    }
+    py::dict out;
+    out["evicted"] = evicted;
+    out["target"] = target;
+    out["gate"] = gate;
+    out["count"] = count;
     return out;
   }
 
@@ -404,6 +437,7 @@ Result compress_impl(py::handle keys, py::handle values, py::handle queries, con
   auto store = std::make_shared<Store>();
   store->tokens = in.keys.shape[1];
   store->dim = in.keys.shape[2];
+  store->merges = options.record_merges;
   const auto run = [&](const auto& runner, auto layer) {
     attach(layer, w);
     py::gil_scoped_release nogil;
@@ -439,6 +473,7 @@ class Compressor {
   Compressor(const std::string& method, py::handle threads, const py::kwargs& kwargs)
       : method_(method), threads_(thread_count(threads)), store_(std::make_shared<Store>()) {
     const cli::MethodOptions options = method_options(kwargs);
+    store_->merges = options.record_merges;
     f32_ = make_runner<float>(method, options, threads_);
     f16_ = make_runner<Eigen::half>(method, options, threads_);
   }
@@ -583,6 +618,9 @@ PYBIND11_MODULE(kvcompress, m) {
       .def_property_readonly("shared_positions", &Result::shared_positions, "every head kept the same positions")
       .def_property_readonly("tokens", &Result::tokens, "n, the tokens of the input")
       .def_property_readonly("diagnostics", &Result::diagnostics, "per-head diagnostics: a dict of arrays of length Hkv")
+      .def_property_readonly("merges", &Result::merges,
+                             "with record_merges=True: where evicted entries went, a dict of [Hkv][e] arrays evicted,\n"
+                             "target (-1: not routed) and gate, padded with -1, -1, 0; count [Hkv]")
       .def("__repr__", &Result::repr);
 
   m.def("compress", &compress, py::arg("keys"), py::arg("values"), py::arg("queries"), py::arg("method") = "selkv",

@@ -122,6 +122,33 @@ def test_options_equal_the_tool(tmp_path, method, options, ratio):
     assert_equals_cli(r, cli(tmp_path, k, v, q, method, ratio=ratio, **options))
 
 
+@pytest.mark.parametrize("method", ["selkv", "snapkv"])
+def test_merge_maps_equal_the_tools_explain(tmp_path, method):
+    k, v, q = layer(3)
+    r = kc.compress(k, v, q, method, ratio=0.25, record_merges=True)
+    expected = cli(tmp_path, k, v, q, method, ratio=0.25)
+    assert_equals_cli(r, expected)  # recording changes no result
+    if TOOL is not None:
+        subprocess.run([TOOL, "compress", "--keys", str(tmp_path / "K.npy"), "--values", str(tmp_path / "V.npy"),
+                        "--queries", str(tmp_path / "Q.npy"), "--method", method, "--ratio", "0.25",
+                        "--out", str(tmp_path / "ex"), "--explain", "0"], check=True, capture_output=True)
+    m = r.merges
+    for f in ("evicted", "target", "gate"):
+        np.testing.assert_array_equal(m[f], np.load(tmp_path / "ex" / f"merge_{f}.npy"), err_msg=f)
+    np.testing.assert_array_equal(m["count"], N - r.lengths)
+    for g in range(HKV):  # evicted and kept positions partition 0..N-1
+        e = m["evicted"][g][: m["count"][g]]
+        assert sorted(np.concatenate([e, r.positions[g]]).tolist()) == list(range(N))
+    if method == "snapkv":  # routes nothing
+        assert (m["target"] == -1).all() and (m["gate"] == 0).all()
+    else:
+        assert (m["target"] >= 0).any()
+    with pytest.raises(ValueError, match="record_merges=True"):
+        kc.compress(k, v, q, method, ratio=0.25).merges
+    c = kc.Compressor(method, record_merges=True)
+    np.testing.assert_array_equal(c.compress(k, v, q, ratio=0.25).merges["target"], m["target"])
+
+
 def test_swapped_stages_equal_the_preset_that_composes_them():
     k, v, q = layer(4)
     same(kc.compress(k, v, q, "snapkv", ratio=0.25, merger="ridge"), kc.compress(k, v, q, "grkv", ratio=0.25))

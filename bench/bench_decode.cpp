@@ -107,31 +107,34 @@ void BM_StreamFma(benchmark::State& state) {
   state.counters["frac_stream"] = double(bytes) / best / stream_bytes_per_second(bytes);
 }
 
-/// Decoding with compression (DecodingCompressor), against decoding over a fixed-size cache. The cache
-/// starts at `budget` = range(0) entries (every other token of a 2·budget-token prompt of the bench
-/// layer); 2·budget tokens are decoded, each appended (its key and value from the layer's rows), then
-/// attended to by 32 query heads (decode_attention, with the stored bias), and every budget/8 tokens
-/// the cache is compressed back to `budget` with Preset (window: the last 32 queries, kept in a
-/// doubled ring so that they are contiguous; the newest 32 entries forced) and compacted in place. The
-/// baseline decodes the same tokens over a cache of `budget` entries, each new token overwriting the
-/// oldest slot. range(1) = 1: the cache and bias are flushed from every cache level before each step
+/// Decoding with compression (DecodingCompressor), against decoding over a fixed-size cache. With
+/// budget = range(0), the cache starts at its size after a compression (every other token of a
+/// 2·budget-token prompt of the bench layer); 2·budget tokens are decoded, each appended (its key and
+/// value from the layer's rows), then attended to by 32 query heads (decode_attention, with the stored
+/// bias), and every budget/8 tokens the cache is compressed back with Preset (window: the last 32
+/// queries, kept in a doubled ring so that they are contiguous; the newest 32 entries forced) and
+/// compacted in place. The baseline decodes the same tokens over a cache of `budget` entries, each new
+/// token overwriting the oldest slot. range(1) = 1: the cache and bias are flushed from every cache level before each step
 /// (untimed), as in a model whose other layers pass through the caches between two steps of this one.
-/// x_fixed = growing / fixed seconds (the compressions included); compress_ms: one compression
-/// (pipeline run and compaction), mean.
+/// range(2) selects what `budget` bounds: 0, the size after a compression (the cache grows to
+/// budget + budget/8 between two); 1, the cache's memory (it never holds more than budget entries:
+/// compressed to budget − budget/8, as OpenVINO GenAI's max cache size), so that both runs hold the
+/// same memory. x_fixed = growing / fixed seconds (the compressions included); compress_ms: one
+/// compression (pipeline run and compaction), mean; mean_entries: the growing cache's mean size.
 template <class Preset>
 void BM_DecodeGrowing(benchmark::State& state) {
   const Index budget = state.range(0), every = budget / 8, steps = 2 * budget, H = 8, Hq = 32, d = 128, W = 32;
-  const bool cold = state.range(1) != 0;
-  const Index cap = budget + every + 1;
+  const bool cold = state.range(1) != 0, capped = state.range(2) != 0;
+  const Index target = capped ? budget - every : budget, cap = target + every + 1;
   const BenchLayer& layer = layer_of(2 * budget);
   auto row = [&](const CacheBuffer<float>& src, Index g, Index j) { return src.data() + (g * layer.tokens + j) * d; };
   CacheBuffer<float> keys(std::size_t(H * cap * d)), values(std::size_t(H * cap * d));
   std::vector<float> bias(std::size_t(H * cap)), ring(std::size_t(Hq * 2 * W * d));
   std::vector<Index> positions(std::size_t(H * cap));
   DecodingArguments args;
-  args.target_size = budget;
+  args.target_size = target;
   args.every = every;
-  args.max_size = budget + every;
+  args.max_size = target + every;
   args.sinks = 0;
   args.recent = W;
   const TensorView<float> kall = make_head_major(keys.data(), H, cap, d), vall = make_head_major(values.data(), H, cap, d);
@@ -148,9 +151,9 @@ void BM_DecodeGrowing(benchmark::State& state) {
       std::copy(row(layer.values, g, src), row(layer.values, g, src) + d, values.data() + (g * cap + slot) * d);
     }
   };
-  auto fill = [&] {
+  auto fill = [&](Index count) {
     for (Index g = 0; g < H; ++g)
-      for (Index i = 0; i < budget; ++i) {
+      for (Index i = 0; i < count; ++i) {
         std::copy(row(layer.keys, g, 2 * i), row(layer.keys, g, 2 * i) + d, keys.data() + (g * cap + i) * d);
         std::copy(row(layer.values, g, 2 * i), row(layer.values, g, 2 * i) + d, values.data() + (g * cap + i) * d);
         positions[std::size_t(g * cap + i)] = 2 * i;
@@ -165,8 +168,9 @@ void BM_DecodeGrowing(benchmark::State& state) {
   };
   double best_fixed = 1e30, best_growing = 1e30, compress_s = 0;
   Index compressions = 0;
+  double entries = 0;
   for (auto _ : state) {
-    fill();
+    fill(budget);
     double fixed = 0;
     for (Index step = 0; step < steps; ++step) {  // fixed: the new token replaces the oldest slot
       flush();
@@ -180,12 +184,13 @@ void BM_DecodeGrowing(benchmark::State& state) {
     }
     best_fixed = std::min(best_fixed, fixed);
 
-    fill();
+    fill(target);
     DecodingCompressor<Preset> compressor(Preset{}, args);
     LayerResult<float> result;
     Workspace<float> ws;
-    Index n = budget;
+    Index n = target;
     double in_compress = 0, growing = 0;
+    entries = 0;
     Index count = 0;
     for (Index step = 0; step < steps; ++step) {
       flush();
@@ -196,6 +201,7 @@ void BM_DecodeGrowing(benchmark::State& state) {
         bias[std::size_t(g * cap + n)] = 0.0f;
       }
       ++n;
+      entries += double(n);
       query(step);
       for (Index h = 0; h < Hq; ++h) {  // the doubled ring: rows step % W and step % W + W
         float* r = ring.data() + h * 2 * W * d;
@@ -230,14 +236,15 @@ void BM_DecodeGrowing(benchmark::State& state) {
   state.counters["fixed_ms"] = best_fixed * 1e3;
   state.counters["compress_ms"] = compressions > 0 ? compress_s / double(compressions) * 1e3 : 0.0;
   state.counters["compressions"] = double(compressions);
+  state.counters["mean_entries"] = entries / double(steps);
 }
 
 }  // namespace
 
-// budget 2048 (decoding 4096 tokens after a 4096-token prompt, compressed every 256), warm and cold;
-// budget 256 for the smoke run.
+// budget 2048 (decoding 4096 tokens after a 4096-token prompt, compressed every 256), warm and cold,
+// as the size after a compression and as the cache's memory; budget 256 for the smoke run.
 void decode_growing_sizes(benchmark::internal::Benchmark* b) {
-  b->Args({256, 0})->Args({2048, 0})->Args({2048, 1})->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(2);
+  b->Args({256, 0, 0})->Args({2048, 0, 0})->Args({2048, 1, 0})->Args({2048, 0, 1})->Args({2048, 1, 1})->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(2);
 }
 BENCHMARK_TEMPLATE(BM_DecodeGrowing, SnapKV)->Apply(decode_growing_sizes);
 BENCHMARK_TEMPLATE(BM_DecodeGrowing, SelKV)->Apply(decode_growing_sizes);

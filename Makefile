@@ -29,15 +29,22 @@ python-deps: deps
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
-# Trains examples/recall/recall-gqa.bin with Debian's PyTorch on the CPU (RECALL_ARGS: more options).
+# Trains examples/recall/recall-gqa.bin with Debian's PyTorch on the CPU, in two stages: the induction
+# warm-up and tasks up to 2048 tokens on one thread, then tasks of 512 to 2048 tokens on two.
+RECALL_STAGE1 ?= --threads 1 --decay 0 --phases "copy 32,48,64,96,128,192,256,384,512 1500; task 128,256,512 300; task 256,512,1024,2048 108"
+RECALL_STAGE2 ?= --threads 2 --seed 2 --lr 2e-3 --decay 0.4 --phases "task 512,1024,2048 450" --eval-every 150 --eval-lengths 1024,2048
 recall-model:
 	@missing=""; for p in $(RECALL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "Installing missing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
-	bash -o pipefail -c '/usr/bin/python3 examples/recall/train_recall_model.py --out examples/recall/recall-gqa.bin \
-	  $(RECALL_ARGS) 2>&1 | tee examples/recall/recall-gqa.log'
+	mkdir -p build
+	bash -o pipefail -c '/usr/bin/python3 examples/recall/train_recall_model.py $(RECALL_STAGE1) \
+	  --out build/recall-stage1.bin 2>&1 | tee examples/recall/recall-gqa.log'
+	bash -o pipefail -c '/usr/bin/python3 examples/recall/train_recall_model.py $(RECALL_STAGE2) \
+	  --init build/recall-stage1.bin --out examples/recall/recall-gqa.bin 2>&1 | tee -a examples/recall/recall-gqa.log'
+	cd examples/recall && sha256sum recall-gqa.bin > recall-gqa.sha256
 
 configure: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)

@@ -66,16 +66,17 @@ inline int recall_facts(int length) { return length >= 1024 ? 8 : std::max(1, st
 /// `n` tasks of `length` tokens from `filler` (each a window of it at a random offset). Task i asks a
 /// question of kind i % 3; it draws from std::mt19937_64 seeded by std::seed_seq{seed low, seed high,
 /// i}, so task i does not depend on n. The context holds recall_facts(length) facts `FACT k v1 v2 END`
-/// (keys distinct), a passkey `PASS d1..d5 END`, and a link `LINK a b END` in the first half of the
+/// (keys distinct, values distinct), a passkey `PASS d1..d5 END` (digits distinct), and a link `LINK a b END` in the first half of the
 /// filler whose fact `FACT b c1 c2 END` comes later, at random places in the filler. Questions:
-/// `QUERY k FACT k` (answer v1 v2 END), `PASSQ PASS` (d1..d5 END), `HOPQ a LINK a` (c1 c2 END): each
-/// ends in the item it asks about as the context wrote it.
+/// `QUERY k FACT k` (answer v1 v2 END), `PASSQ PASS` (d1..d5 END), `HOPQ a LINK a` (b FACT b c1 c2
+/// END: the key it passes through, then that key's fact, as a fact question asks it); each ends in the
+/// item it asks about as the context wrote it.
 inline std::vector<RecallTask> make_recall_tasks(const std::vector<int>& filler, int n, int length, std::uint64_t seed) {
   using T = RecallTokens;
   if (n < 0) throw std::invalid_argument("kvc::engine: recall task count must be >= 0");
   const int facts = recall_facts(length);
   const int fact_tokens = 5 * facts + 7 + 4 + 5;  // facts, passkey, link, the hop's fact
-  const int longest_query = 2 + 6;                // PASSQ PASS, 5 digits, END
+  const int longest_query = 4 + 6;                // HOPQ a LINK a, b FACT b c1 c2 END
   const int min_fill = 8;
   if (length < 1 + fact_tokens + longest_query + min_fill)
     throw std::invalid_argument("kvc::engine: recall length " + std::to_string(length) + " is below the shortest task (" +
@@ -87,21 +88,27 @@ inline std::vector<RecallTask> make_recall_tasks(const std::vector<int>& filler,
                        static_cast<std::uint32_t>(i)};
     std::mt19937_64 rng(sseq);
     auto pick = [&rng](int count) { return static_cast<int>(uniform_index(rng, static_cast<std::uint64_t>(count))); };
-    std::vector<int> keys(T::kKeys);
-    for (int k = 0; k < T::kKeys; ++k) keys[static_cast<std::size_t>(k)] = T::kFirstKey + k;
-    for (int k = 0; k < facts + 2; ++k) std::swap(keys[static_cast<std::size_t>(k)], keys[static_cast<std::size_t>(k + pick(T::kKeys - k))]);
+    // The first `count` entries of a random permutation of first .. first + total - 1.
+    auto distinct = [&pick](int first, int total, int count) {
+      std::vector<int> v(static_cast<std::size_t>(total));
+      for (int k = 0; k < total; ++k) v[static_cast<std::size_t>(k)] = first + k;
+      for (int k = 0; k < count; ++k) std::swap(v[static_cast<std::size_t>(k)], v[static_cast<std::size_t>(k + pick(total - k))]);
+      v.resize(static_cast<std::size_t>(count));
+      return v;
+    };
+    const std::vector<int> keys = distinct(T::kFirstKey, T::kKeys, facts + 2);
+    const std::vector<int> values = distinct(T::kFirstValue, T::kValues, 2 * facts + 2);
     std::vector<std::vector<int>> items;
     for (int f = 0; f < facts; ++f)
-      items.push_back({T::kFact, keys[static_cast<std::size_t>(f)], T::kFirstValue + pick(T::kValues),
-                       T::kFirstValue + pick(T::kValues), T::kEnd});
-    std::vector<int> digits(5);
-    for (int& d : digits) d = T::kFirstDigit + pick(T::kDigits);
+      items.push_back({T::kFact, keys[static_cast<std::size_t>(f)], values[static_cast<std::size_t>(2 * f)],
+                       values[static_cast<std::size_t>(2 * f + 1)], T::kEnd});
+    const std::vector<int> digits = distinct(T::kFirstDigit, T::kDigits, 5);
     std::vector<int> pass{T::kPass};
     pass.insert(pass.end(), digits.begin(), digits.end());
     pass.push_back(T::kEnd);
     items.push_back(pass);
     const int a = keys[static_cast<std::size_t>(facts)], b = keys[static_cast<std::size_t>(facts + 1)];
-    const int c1 = T::kFirstValue + pick(T::kValues), c2 = T::kFirstValue + pick(T::kValues);
+    const int c1 = values[static_cast<std::size_t>(2 * facts)], c2 = values[static_cast<std::size_t>(2 * facts + 1)];
     RecallTask task;
     task.kind = static_cast<RecallKind>(i % 3);
     if (task.kind == RecallKind::kFact) {
@@ -114,7 +121,7 @@ inline std::vector<RecallTask> make_recall_tasks(const std::vector<int>& filler,
       task.answer.push_back(T::kEnd);
     } else {
       task.question = {T::kHopQuery, a, T::kLink, a};
-      task.answer = {c1, c2, T::kEnd};
+      task.answer = {b, T::kFact, b, c1, c2, T::kEnd};
     }
     const int n_fill = length - 1 - fact_tokens - static_cast<int>(task.question.size() + task.answer.size());
     if (static_cast<int>(filler.size()) <= n_fill)

@@ -5,20 +5,26 @@ Filler text is sampled from TinyStories-260K (stories260K.bin, tok512.bin); into
 retrieval tasks written in tok512's byte tokens, which stories never use (docs/recall.md; the C++ side
 is examples/engine/recall.hpp, which `kvcompress eval --task recall` uses):
 
-  fact     FACT k v1 v2 END        k from KEYS, v1 v2 from VALUES, keys distinct per sequence
-  passkey  PASS d1 d2 d3 d4 d5 END digits 0-9
+  fact     FACT k v1 v2 END        k from KEYS, v1 v2 from VALUES, keys and values distinct per sequence
+  passkey  PASS d1 d2 d3 d4 d5 END five distinct digits 0-9
   link     LINK a b END            a, b from KEYS; the fact for b comes later (multi-hop)
-  queries  QUERY k FACT k -> v1 v2 END | PASSQ PASS -> d1..d5 END | HOPQ a LINK a -> c1 c2 END
+  queries  QUERY k FACT k -> v1 v2 END | PASSQ PASS -> d1..d5 END | HOPQ a LINK a -> b FACT b c1 c2 END
 
 Each question ends in the item it asks about as the context wrote it, so that copying the token that
-followed it there (an induction head) answers a fact or the passkey.
+followed it there (an induction head) answers a fact or the passkey. A hop's answer names the key it
+passes through, then asks for that key's fact as a fact question does: two retrievals, each of which
+copying answers.
 
-The loss is on the answer tokens (weight 1) and on the filler's next token (weight --lm-weight). The
-first --copy-steps steps, and every --copy-every-th step after them, train on copying random task tokens
-(an induction warm-up). Deterministic from --seed on one thread count. Writes the llama2.c legacy format
-(shared classifier), which examples/engine loads unchanged.
+Training runs in phases (--phases). A copy phase trains on random tokens in which a random span recurs
+at a random place, starting at 32 tokens and moving to the next length once the copies are predicted:
+an induction head forms fast at short range, and the longer copies move its matching to the RoPE
+pairs that rotate slowly enough to match far apart. Task phases train on the tasks above, lengths
+cycled, with one copy batch every --copy-every steps; their loss is on the answer tokens (weight 1) and
+on the filler's next token (weight --lm-weight). The rate decays over the last --decay of the task
+steps. Deterministic from --seed on one thread count. Writes the llama2.c legacy format (shared
+classifier), which examples/engine loads unchanged.
 
-  make recall-model    (or: python3 examples/recall/train_recall_model.py --out examples/recall/recall-gqa.bin)
+  make recall-model    (its two stages: the Makefile's RECALL_STAGE1 and RECALL_STAGE2)
 """
 import argparse
 import math
@@ -197,24 +203,28 @@ def make_sequence(rng, filler, L, n_facts, n_queries, kinds=None):
     """One training sequence of exactly L tokens and its loss weights' classes
     (0 none, 1 filler next-token, 2 answer)."""
     keys = rng.choice(KEYS, size=n_facts + 2, replace=False)
-    facts = [[FACT, int(k), int(v1), int(v2), END]
-             for k, (v1, v2) in zip(keys[:n_facts], rng.choice(VALUES, size=(n_facts, 2)))]
-    digits = [int(d) for d in rng.choice(DIGITS, size=5)]
+    vals = [int(v) for v in rng.choice(VALUES, size=2 * n_facts + 2, replace=False)]
+    facts = [[FACT, int(keys[f]), vals[2 * f], vals[2 * f + 1], END] for f in range(n_facts)]
+    digits = [int(d) for d in rng.choice(DIGITS, size=5, replace=False)]
     a, b = int(keys[n_facts]), int(keys[n_facts + 1])
-    c = [int(x) for x in rng.choice(VALUES, size=2)]
+    c = vals[2 * n_facts:]
     items = facts + [[PASS] + digits + [END]]
-    # Queries, each (prompt, answer).
-    qs = []
+    # Queries, each (prompt, answer), distinct within a sequence (a repeated question could copy its
+    # earlier answer): the passkey and the hop each with probability 1/2, then distinct facts.
     if kinds is None:
-        kinds = rng.integers(0, 3, size=n_queries)
+        kinds = [k for k, p in ((1, 0.5), (2, 0.5)) if rng.random() < p]
+        kinds += [0] * max(0, min(n_facts, n_queries - len(kinds)))
+        kinds = [kinds[i] for i in rng.permutation(len(kinds))]
+    fact_order = list(rng.permutation(n_facts))
+    qs = []
     for kind in kinds:
         if kind == 0 and n_facts > 0:
-            i = int(rng.integers(0, n_facts))
+            i = int(fact_order.pop())
             qs.append(([QUERY, facts[i][1], FACT, facts[i][1]], facts[i][2:4] + [END]))
         elif kind == 1:
             qs.append(([PASSQ, PASS], digits + [END]))
         else:
-            qs.append(([HOPQ, a, LINK, a], c + [END]))
+            qs.append(([HOPQ, a, LINK, a], [b, FACT, b] + c + [END]))
     link, hopfact = [LINK, a, b, END], [FACT, b, c[0], c[1], END]
     fact_len = sum(len(x) for x in items) + len(link) + len(hopfact)
     while len(qs) > 1 and L - 1 - fact_len - sum(len(p) + len(ans) for p, ans in qs) < 8:
@@ -260,6 +270,9 @@ def copy_batch(rng, L, B):
     return torch.from_numpy(x.astype(np.int64)), torch.from_numpy(c)
 
 
+DEFAULT_PHASES = "copy 32,48,64,96,128,192,256,384,512 1500; task 128,256,512 300; task 256,512,1024,2048 600"
+
+
 def facts_for(L, rng):
     return int(rng.integers(1, max(2, min(16, L // 16)) + 1))
 
@@ -288,6 +301,17 @@ def accuracy(model, rng, filler, L, n, device):
     return hits / np.maximum(counts, 1)
 
 
+def parse_phases(text):
+    """'copy 32 350; task 128,256 400' -> [('copy', [32], 350), ('task', [128, 256], 400)]."""
+    phases = []
+    for part in text.split(";"):
+        kind, lengths, steps = part.split()
+        if kind not in ("copy", "task"):
+            raise ValueError(f"phase kind must be copy or task, got {kind!r}")
+        phases.append((kind, [int(x) for x in lengths.split(",")], int(steps)))
+    return phases
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -300,28 +324,32 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--tokens-per-step", type=int, default=8192)
-    ap.add_argument("--lengths", default="256,512,1024,2048", help="training lengths, cycled")
-    ap.add_argument("--long-from", type=float, default=0.0, help="fraction of steps after which all lengths are used; before it only the shortest two")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--copy-steps", type=int, default=200, help="first steps on the induction warm-up (copy_batch)")
-    ap.add_argument("--copy-every", type=int, default=4, help="after the warm-up, every this many steps one copy batch (0: none)")
+    ap.add_argument("--phases", default=DEFAULT_PHASES,
+                    help="'KIND LENGTHS STEPS; ...': copy (induction warm-up) or task batches, lengths cycled")
+    ap.add_argument("--tokens-per-step", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--decay", type=float, default=0.3, help="the last fraction of task steps decays the rate (cosine) to 0")
+    ap.add_argument("--copy-every", type=int, default=4, help="in task phases, every this many steps one copy batch (0: none)")
     ap.add_argument("--max-queries", type=int, default=8, help="questions per training sequence: 1 to this many")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--filler-cache", default="", help="an .npy file holding the sampled filler (written when absent)")
     ap.add_argument("--lm-weight", type=float, default=0.1)
     ap.add_argument("--filler-stories", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--eval-samples", type=int, default=60)
+    ap.add_argument("--eval-every", type=int, default=300)
+    ap.add_argument("--eval-lengths", default="512,2048")
+    ap.add_argument("--eval-samples", type=int, default=30)
+    ap.add_argument("--checkpoint", default="", help="also write the model here at every evaluation")
+    ap.add_argument("--init", default="", help="start from this model file instead of a random initialisation")
     ap.add_argument("--minutes", type=float, default=0.0, help="stop after this many minutes (0: no limit)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     dev = torch.device(args.device)
     t0 = time.time()
+    phases = parse_phases(args.phases)
+    total = sum(p[2] for p in phases)
 
     teacher = Model.load(os.path.join(args.models, "stories260K.bin"))
     gen = torch.Generator().manual_seed(args.seed)
@@ -335,46 +363,84 @@ def main():
             np.save(args.filler_cache + ".eval.npy", eval_filler)
     print(f"filler: {len(filler)} tokens sampled from stories260K in {time.time() - t0:.0f} s", flush=True)
 
-    model = Model(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 512, args.seq_len).to(dev)
+    if args.init:  # continue from a checkpoint (its shape replaces --dim ... --seq-len)
+        model = Model.load(args.init).to(dev)
+        args.dim, args.hidden, args.layers, args.heads, args.kv_heads, _, args.seq_len = model.cfg
+    else:
+        model = Model(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 512, args.seq_len).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: dim {args.dim} hidden {args.hidden} layers {args.layers} heads {args.heads}/{args.kv_heads} "
-          f"seq_len {args.seq_len}, {n_params} parameters", flush=True)
+          f"seq_len {args.seq_len}, {n_params} parameters; {total} steps: {args.phases}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    warm = max(1, args.steps // 50)
-    for step in range(args.steps + 1):
-        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            erng = np.random.default_rng(10_000 + args.seed)
-            accs = {L: accuracy(model, erng, eval_filler, L, args.eval_samples, dev) for L in (512, 2048)}
-            print(f"step {step} eval " + " ".join(f"L{L} fact {a[0]:.2f} pass {a[1]:.2f} hop {a[2]:.2f}"
-                                                    for L, a in accs.items()), flush=True)
-        if step == args.steps or (args.minutes and time.time() - t0 > 60 * args.minutes):
-            break
-        pool = lengths if step >= args.long_from * args.steps else lengths[:2]
-        L = pool[step % len(pool)]
-        if step < args.copy_steps or (args.copy_every and step % args.copy_every == 0):
-            x, c = copy_batch(rng, L, max(1, args.tokens_per_step // L))
-        else:
-            x, c = batch(rng, filler, L, max(1, args.tokens_per_step // L), args.max_queries)
-        x, c = x.to(dev), c.to(dev)
-        lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        logits = model(x[:, :-1])
-        tgt, cls = x[:, 1:], c[:, 1:]
-        w = torch.where(cls == 2, 1.0, torch.where(cls == 1, args.lm_weight, 0.0))
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), reduction="none")
-        loss = (nll * w.reshape(-1)).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % args.log_every == 0:
+    eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
+    warm = 50
+    task_total = sum(p[2] for p in phases if p[0] == "task")
+    decay_from = int(task_total * (1 - args.decay))
+    step, task_step, done = 0, 0, False
+
+    def evaluate():
+        erng = np.random.default_rng(10_000 + args.seed)
+        accs = {L: accuracy(model, erng, eval_filler, L, args.eval_samples, dev) for L in eval_lengths}
+        print(f"step {step} eval " + " ".join(f"L{L} fact {a[0]:.2f} pass {a[1]:.2f} hop {a[2]:.2f}"
+                                                for L, a in accs.items()), flush=True)
+        if args.checkpoint:
+            model.cpu().export(args.checkpoint)
+            model.to(dev)
+
+    for kind, lengths, steps in phases:
+        # A copy phase moves to its next length once the copied tokens are predicted (mean accuracy of
+        # the last 8 steps >= 0.9), and ends after its last length or `steps` steps; a task phase
+        # cycles through its lengths for `steps` steps.
+        level, recent = 0, []
+        for i in range(steps):
+            if args.eval_every and step % args.eval_every == 0 and step > 0:
+                evaluate()
+            if args.minutes and time.time() - t0 > 60 * args.minutes:
+                done = True
+                break
+            if kind == "copy":
+                if len(recent) >= 8 and np.mean(recent[-8:]) >= 0.9:
+                    if level + 1 == len(lengths):
+                        print(f"step {step} copy: done", flush=True)
+                        break
+                    level, recent = level + 1, []
+                    print(f"step {step} copy: length {lengths[level]}", flush=True)
+                L = lengths[level]
+            else:
+                L = lengths[i % len(lengths)]
+            B = max(1, args.tokens_per_step // L)
+            if kind == "copy" or (args.copy_every and i % args.copy_every == args.copy_every - 1):
+                x, c = copy_batch(rng, L, B)
+            else:
+                x, c = batch(rng, filler, L, B, args.max_queries)
+            x, c = x.to(dev), c.to(dev)
+            lr = args.lr * min(1.0, (step + 1) / warm)
+            if kind == "task" and task_step >= decay_from:
+                lr *= 0.5 * (1 + math.cos(math.pi * (task_step - decay_from) / max(1, task_total - decay_from)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            logits = model(x[:, :-1])
+            tgt, cls = x[:, 1:], c[:, 1:]
+            w = torch.where(cls == 2, 1.0, torch.where(cls == 1, args.lm_weight, 0.0))
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), reduction="none")
+            loss = (nll * w.reshape(-1)).sum() / w.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
             ans = (cls == 2)
             acc = (logits.argmax(-1)[ans] == tgt[ans]).float().mean().item()
-            print(f"step {step} L {L} loss {loss.item():.3f} answer-token acc {acc:.2f} lr {lr:.2e} "
-                  f"{time.time() - t0:.0f} s", flush=True)
+            if kind == "copy":
+                recent.append(acc)
+            if step % args.log_every == 0:
+                print(f"step {step} {kind} L {L} loss {loss.item():.3f} answer-token acc {acc:.2f} lr {lr:.2e} "
+                      f"{time.time() - t0:.0f} s", flush=True)
+            step += 1
+            task_step += kind == "task"
+        if done:
+            break
+    evaluate()
     model.cpu().export(args.out)
     print(f"wrote {args.out} after {time.time() - t0:.0f} s", flush=True)
 

@@ -56,6 +56,10 @@ TEST_CASE("recall tasks hold the facts their questions ask for, at the requested
       CHECK(t.answer.back() == T::kEnd);
       const int facts = static_cast<int>(std::count(t.context.begin(), t.context.end(), T::kFact));
       CHECK(facts == recall_facts(L) + 1);  // the hop's fact too
+      for (int v = T::kFirstValue; v < T::kFirstValue + T::kValues; ++v)  // values are distinct
+        CHECK(std::count(t.context.begin(), t.context.end(), v) <= 1);
+      for (int d = T::kFirstDigit; d < T::kFirstDigit + T::kDigits; ++d)  // so are the passkey's digits
+        CHECK(std::count(t.context.begin(), t.context.end(), d) <= 1);
       if (t.kind == RecallKind::kFact) {
         CHECK(find(t.context, {T::kFact, t.question[1], t.answer[0], t.answer[1], T::kEnd}) >= 0);
         CHECK(std::count(t.context.begin(), t.context.end(), t.question[1]) == 1);  // keys are distinct
@@ -67,7 +71,8 @@ TEST_CASE("recall tasks hold the facts their questions ask for, at the requested
         const std::ptrdiff_t link = find(t.context, {T::kLink, t.question[1]});
         REQUIRE(link >= 0);
         const int b = t.context[static_cast<std::size_t>(link + 2)];
-        CHECK(find(t.context, {T::kFact, b, t.answer[0], t.answer[1], T::kEnd}, static_cast<std::size_t>(link)) > link);
+        CHECK(t.answer == std::vector<int>{b, T::kFact, b, t.answer[3], t.answer[4], T::kEnd});
+        CHECK(find(t.context, {T::kFact, b, t.answer[3], t.answer[4], T::kEnd}, static_cast<std::size_t>(link)) > link);
       }
     }
   }
@@ -88,7 +93,12 @@ TEST_CASE("the recall model answers over the full cache; keeping everything chan
     return;
   }
   const Model model = Model::load(*path);
-  const auto tasks = make_recall_tasks(filler(), 24, 1024, 21);
+#ifdef KVC_ENABLE_ASSERTS  // the sanitizer build (-O0): the machinery on 2 tasks; accuracy in the normal build
+  const int n_tasks = 2;
+#else
+  const int n_tasks = 24;
+#endif
+  const auto tasks = make_recall_tasks(filler(), n_tasks, 1024, 21);
   const LayerCompressor keep_all = kvc::cli::engine_compressor(kvc::cli::make_method("snapkv", {}), kvc::Budget::ratio(1.0));
   const LayerCompressor tenth = kvc::cli::engine_compressor(kvc::cli::make_method("streaming", {}), kvc::Budget::ratio(0.05));
   int full_hits = 0, tenth_hits = 0;
@@ -104,8 +114,11 @@ TEST_CASE("the recall model answers over the full cache; keeping everything chan
       CHECK(stats[2].compressions == model.config().n_layers);
     }
   }
-  CHECK(full_hits >= 44);  // of 48: the model retrieves
-  CHECK(tenth_hits < full_hits);  // a recent window of 5% forgets the facts
+  INFO("full cache " << full_hits << " of " << 2 * n_tasks << ", 5% recent window " << tenth_hits);
+  if (n_tasks == 24) {
+    CHECK(full_hits >= 34);         // of 48: the model retrieves (0.82 over 300 tasks, docs/recall.md)
+    CHECK(tenth_hits < full_hits);  // a recent window of 5% forgets the facts
+  }
   RecallTask empty;
   CHECK_THROWS_WITH(recall_hits(model, empty, RecallSetting::kQuestionLast, 32, {nullptr}), Contains("needs a context"));
 }

@@ -93,12 +93,12 @@ TEST_CASE("the recall model answers over the full cache; keeping everything chan
     return;
   }
   const Model model = Model::load(*path);
-#ifdef KVC_ENABLE_ASSERTS  // the sanitizer build (-O0): the machinery on 2 tasks; accuracy in the normal build
-  const int n_tasks = 2;
+#ifdef KVC_ENABLE_ASSERTS  // the sanitizer build (-O0): the machinery on 2 short tasks; accuracy in the normal build
+  const int n_tasks = 2, length = 256;
 #else
-  const int n_tasks = 24;
+  const int n_tasks = 24, length = 1024;
 #endif
-  const auto tasks = make_recall_tasks(filler(), n_tasks, 1024, 21);
+  const auto tasks = make_recall_tasks(filler(), n_tasks, length, 21);
   const LayerCompressor keep_all = kvc::cli::engine_compressor(kvc::cli::make_method("snapkv", {}), kvc::Budget::ratio(1.0));
   const LayerCompressor tenth = kvc::cli::engine_compressor(kvc::cli::make_method("streaming", {}), kvc::Budget::ratio(0.05));
   int full_hits = 0, tenth_hits = 0;

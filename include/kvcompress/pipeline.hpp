@@ -611,21 +611,16 @@ class Pipeline {
       out.positions.resize(kept.size());
       for (std::size_t i = 0; i < kept.size(); ++i) out.positions[i] = ctx.position(kept[i]);
     }
-    out.merges.evicted.clear();
-    out.merges.target.clear();
-    out.merges.gate.clear();
-    if (args_.record_merges) {
-      const auto& evicted = ctx.evicted();
-      const bool stored = ctx.layer().positions.data != nullptr;
-      out.merges.evicted.reserve(evicted.size());
-      out.merges.target.reserve(evicted.size());
-      out.merges.gate.reserve(evicted.size());
-      for (std::size_t e = 0; e < evicted.size(); ++e) {
-        const Index t = routing.routed() ? routing.target[e] : Index(-1);
-        out.merges.evicted.push_back(stored ? ctx.position(evicted[e]) : evicted[e]);
-        out.merges.target.push_back(t < 0 ? Index(-1) : out.positions[static_cast<std::size_t>(t)]);
-        out.merges.gate.push_back(merged.gate[static_cast<Index>(e)]);
-      }
+    MergeMap<Real>& mm = out.merges;  // empty unless recorded; resized in place when out is reused
+    const std::size_t E = args_.record_merges ? ctx.evicted().size() : 0;
+    mm.evicted.resize(E);
+    mm.target.resize(E);
+    mm.gate.resize(E);
+    for (std::size_t e = 0; e < E; ++e) {
+      const Index t = routing.routed() ? routing.target[e] : Index(-1);
+      mm.evicted[e] = ctx.position(ctx.evicted()[e]);
+      mm.target[e] = t < 0 ? Index(-1) : out.positions[static_cast<std::size_t>(t)];
+      mm.gate[e] = merged.gate[static_cast<Index>(e)];
     }
     out.diagnostics = merged.diagnostics;
     fill_counts(merged, out.diagnostics);

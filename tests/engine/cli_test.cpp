@@ -29,17 +29,27 @@ std::vector<float> random_floats(std::size_t n, std::mt19937_64& rng) {
   return v;
 }
 
+/// A random layer (K, V [H][n][d], Q [Hq][W][d]) written as tmp/K.npy, V.npy, Q.npy in float32.
+struct NpyLayer {
+  std::vector<float> K, V, Q;
+};
+NpyLayer write_layer(const TempDir& tmp, std::mt19937_64& rng, std::int64_t H, std::int64_t Hq, std::int64_t n,
+                     std::int64_t d, std::int64_t W) {
+  NpyLayer l{random_floats(H * n * d, rng), random_floats(H * n * d, rng), random_floats(Hq * W * d, rng)};
+  kvc::engine::write_npy(tmp / "K.npy", {H, n, d}, l.K.data());
+  kvc::engine::write_npy(tmp / "V.npy", {H, n, d}, l.V.data());
+  kvc::engine::write_npy(tmp / "Q.npy", {Hq, W, d}, l.Q.data());
+  return l;
+}
+
 }  // namespace
 
 TEST_CASE("compress round-trips through .npy and matches the library", "[cli][npy]") {
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(77);
   const std::int64_t H = 2, Hq = 4, n = 96, d = 8, W = 16;
-  const auto K = random_floats(H * n * d, rng), V = random_floats(H * n * d, rng), Q = random_floats(Hq * W * d, rng);
   TempDir tmp;
-  kvc::engine::write_npy(tmp / "K.npy", {H, n, d}, K.data());
-  kvc::engine::write_npy(tmp / "V.npy", {H, n, d}, V.data());
-  kvc::engine::write_npy(tmp / "Q.npy", {Hq, W, d}, Q.data());
+  const auto [K, V, Q] = write_layer(tmp, rng, H, Hq, n, d, W);
 
   // adakv-snapkv keeps a different number of entries per head: rows beyond a head's length are
   // padding (position -1, zeros), lengths.npy says how many are real.
@@ -89,11 +99,8 @@ TEST_CASE("compress round-trips through .npy and matches the library", "[cli][np
 TEST_CASE("compress --explain writes every head's merge map and prints one head's", "[cli][npy][merge_map]") {
   auto rng = kvc::test::make_rng(78);
   const std::int64_t H = 2, Hq = 4, n = 64, d = 8, W = 8;
-  const auto K = random_floats(H * n * d, rng), V = random_floats(H * n * d, rng), Q = random_floats(Hq * W * d, rng);
   TempDir tmp;
-  kvc::engine::write_npy(tmp / "K.npy", {H, n, d}, K.data());
-  kvc::engine::write_npy(tmp / "V.npy", {H, n, d}, V.data());
-  kvc::engine::write_npy(tmp / "Q.npy", {Hq, W, d}, Q.data());
+  write_layer(tmp, rng, H, Hq, n, d, W);
   std::string out, err;
   const std::vector<std::string> args{"compress", "--keys", tmp / "K.npy", "--values", tmp / "V.npy", "--queries",
                                       tmp / "Q.npy", "--method", "selkv", "--budget", "16", "--out", tmp / "o"};

@@ -11,7 +11,7 @@ PYTHON_PACKAGES := pybind11-dev python3-dev python3-numpy python3-pytest python3
 RECALL_PACKAGES := python3-torch python3-numpy libopenblas0-pthread
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: deps python-deps configure build demo test python sanitize-deps sanitize-build test-sanitize bench bench-smoke clean \
+.PHONY: deps python-deps configure build demo test checks python sanitize-deps sanitize-build test-sanitize bench bench-smoke clean \
         bench-speed-table recall-model \
         fuzz-build fuzz fuzz-ci
 
@@ -58,12 +58,20 @@ demo: deps
 	$(BUILD)/examples/kvc_demo
 
 test: python-deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_CHECKS=OFF $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# What CI adds to `make test`, in the same folder: the benchmark suite's smoke run (every benchmark at
+# n = 4096, each once) and the packaging and documentation checks (every public header on its own, the
+# docs' C++ fragments and programs, consumer projects of the installed package and of the source tree).
+checks: python-deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=ON -DKVC_BUILD_CHECKS=ON $(CMAKE_ARGS)
+	cmake --build $(BUILD) -j $(JOBS)
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -L 'bench|consumer|docs'
+
 # The benchmark suite, built into the same folder with the same flags, and its smoke run (every
-# benchmark at n = 4096, each once): CI runs it after `make test`.
+# benchmark at n = 4096, each once); `make checks` runs it with the other checks.
 bench-smoke: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS) --target kvc_bench

@@ -25,7 +25,7 @@ int run(std::vector<std::string> args, std::string& out, std::string& err) {
 
 TEST_CASE("every method at ratio 1.0 gives KL exactly 0 and top-1 exactly 1", "[eval][model]") {
   const auto model = kvc::engine::Model::load(g_model_dir + "/stories260K.bin");
-  const auto seqs = kvc::engine::sample_sequences(model, 2, 160, 5);
+  const auto seqs = kvc::engine::sample_sequences(model, kvc::test::kSanitizerBuild ? 1 : 2, 160, 5);
   kvc::engine::EvalConfig config;
   config.prefix = 128;
   kvc::engine::TeacherForcedEval windowed(model, seqs, config);
@@ -187,7 +187,7 @@ TEST_CASE("chunked prefill and decoding change no logit while the budget holds t
           "[eval][model]") {
   const auto& model = shared_model();
   const int L = model.config().n_layers;
-  const auto seqs = kvc::engine::sample_sequences(model, 2, 160, 5);
+  const auto seqs = kvc::engine::sample_sequences(model, kvc::test::kSanitizerBuild ? 1 : 2, 160, 5);
   kvc::engine::EvalConfig config;
   config.prefix = 128;
   config.window = 16;

@@ -60,6 +60,7 @@ void check_lowers(const kvc::LayerView<float>& view, double rho, const kvc::Snap
 
 TEST_CASE("SnapKV + GRKV lowers the window error on real caches", "[ridge][model]") {
   for (std::uint64_t seed : {1u, 2u}) {
+    if (seed == 2 && kvc::test::kSanitizerBuild) break;
     for_each_layer(384, seed, [&](int layer, const kvc::LayerView<float>& view) {
       INFO("seed " << seed << " layer " << layer);
       // rho = 0.25 with the papers' fixed lambda 0.01 (value then key step): every head improves.

@@ -17,6 +17,14 @@ inline const std::string& model_dir() {
   return dir;
 }
 
+/// The sanitizer build (-O0, assertions on) runs the slowest model tests on fewer sequences; the normal
+/// build runs them in full.
+#ifdef KVC_ENABLE_ASSERTS
+inline constexpr bool kSanitizerBuild = true;
+#else
+inline constexpr bool kSanitizerBuild = false;
+#endif
+
 /// A RunOnlyIf precondition: where the model was looked for when it is absent, else "".
 inline std::string model_dir_missing() { return model_dir().empty() ? kvc::engine::model_missing_message() : ""; }
 

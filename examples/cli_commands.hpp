@@ -265,7 +265,7 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   check_growth(growth, opts);
   const engine::Model model = engine::Model::load(files.model);
   const engine::Tokenizer tok = engine::Tokenizer::load(files.tokenizer, model.config().vocab_size);
-  opts.rope_theta = 10000.0;
+  opts.rope_theta = model.rope_base();  // repositioning and expected-attention rotate as the model does
   const int layers = model.config().n_layers;
   const std::vector<int> prompt_tokens = tok.encode(prompt, true);
   const Index P = static_cast<Index>(prompt_tokens.size());
@@ -725,13 +725,14 @@ inline int cmd_eval_recall(Args& a, std::ostream& out) {
     else throw std::invalid_argument("--settings takes question-last and question-later, got '" + s + "'");
   }
   const EvalGrid grid = eval_grid(a, "0.05,0.1,0.25,0.5");
-  const MethodOptions opts = method_options(a);
+  MethodOptions opts = method_options(a);
   const LayerScheduleArguments schedule = layer_schedule(a);
   a.reject_unused();
   if (opts.reposition.value_or(false))
     throw std::invalid_argument("--reposition does not apply with --task recall (the question follows the compressed cache)");
   for (const auto& m : grid.methods) make_method(m, opts);  // fail fast on a bad name or option
   const engine::Model model = engine::Model::load(model_path);
+  opts.rope_theta = model.rope_base();
   if (length > model.config().seq_len)
     throw std::invalid_argument("--length " + std::to_string(length) + " exceeds the model's context of " +
                                 std::to_string(model.config().seq_len) + " tokens");
@@ -771,7 +772,7 @@ inline int cmd_eval(Args& a, std::ostream& out) {
   config.prefix = a.integer("prefix", engine::ProtocolDefaults::kPrefix, 1, std::numeric_limits<Index>::max());
   config.window = a.integer("window", engine::ProtocolDefaults::kWindow, 1, std::numeric_limits<Index>::max());
   const EvalGrid grid = eval_grid(a, "0.1,0.25,0.5");
-  const MethodOptions opts = method_options(a);
+  MethodOptions opts = method_options(a);
   const LayerScheduleArguments schedule = layer_schedule(a);
   const GrowthOptions growth = growth_options(a);
   a.reject_unused();
@@ -785,6 +786,7 @@ inline int cmd_eval(Args& a, std::ostream& out) {
     throw std::invalid_argument("--prefix " + std::to_string(config.prefix) + " must be below the sequence length " +
                                 std::to_string(seq_length) + (tokens_path.empty() ? " (--length)" : " (of --tokens)"));
   const engine::Model model = engine::Model::load(files.model);
+  opts.rope_theta = model.rope_base();
   for (std::size_t s = 0; !tokens_path.empty() && s < seqs.size(); ++s)
     for (std::size_t t = 0; t < seqs[s].size(); ++t)
       if (seqs[s][t] >= model.config().vocab_size)

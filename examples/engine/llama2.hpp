@@ -9,9 +9,10 @@
 // temperature sampling) and generate().
 //
 // Numerics follow the llama2.c reference: RMSNorm eps 1e-5, RoPE on interleaved pairs
-// (x[2i], x[2i+1]) with frequency 10000^(-2i/head_size), grouped-query attention (query head h reads
-// KV head h / (n_heads / n_kv_heads)), SwiGLU FFN w2(silu(w1 x) * w3 x), classifier shared with the
-// token embedding when vocab_size > 0 in the header.
+// (x[2i], x[2i+1]) with frequency θ^(-2i/head_size) (θ read off the file's freq_cis tables: 10000 in
+// llama2.c's models), grouped-query attention (query head h reads KV head h / (n_heads / n_kv_heads)),
+// SwiGLU FFN w2(silu(w1 x) * w3 x), classifier shared with the token embedding when vocab_size > 0 in
+// the header.
 #pragma once
 
 #include <Eigen/Core>
@@ -126,17 +127,17 @@ struct ConfigLimits {
   static constexpr int kMaxSeqLen = 1 << 22;
 };
 
-/// Frequency of RoPE pair i (dimensions 2i, 2i+1) for a head of `head_size`: 10000^(-2i/head_size).
-inline double rope_frequency(int pair, int head_size) {
-  return std::pow(10000.0, -2.0 * static_cast<double>(pair) / static_cast<double>(head_size));
+/// Frequency of RoPE pair i (dimensions 2i, 2i+1) for a head of `head_size`: base^(-2i/head_size).
+inline double rope_frequency(int pair, int head_size, double base) {
+  return std::pow(base, -2.0 * static_cast<double>(pair) / static_cast<double>(head_size));
 }
 
 /// Rotates each of `n_heads` vectors of `head_size` floats (contiguous) in place by RoPE at `position`,
 /// interleaved pairs: (x0, x1) <- (x0 cos a - x1 sin a, x0 sin a + x1 cos a), a = position * freq_i.
 /// Angles are computed in double. O(n_heads * head_size).
-inline void rope_rotate(float* v, int n_heads, int head_size, std::ptrdiff_t position) {
+inline void rope_rotate(float* v, int n_heads, int head_size, std::ptrdiff_t position, double base) {
   for (int i = 0; i < head_size / 2; ++i) {
-    const double angle = static_cast<double>(position) * rope_frequency(i, head_size);
+    const double angle = static_cast<double>(position) * rope_frequency(i, head_size, base);
     const float c = static_cast<float>(std::cos(angle));
     const float s = static_cast<float>(std::sin(angle));
     for (int h = 0; h < n_heads; ++h) {
@@ -167,8 +168,8 @@ class Model {
  public:
   /// Loads and validates `path`. Throws std::runtime_error naming the file and the problem when the
   /// file is missing or unreadable, a header value is invalid, the size is not exactly what the header
-  /// implies (truncated or trailing bytes), a tensor holds NaN/Inf, or the freq_cis tables disagree
-  /// with RoPE base 10000.
+  /// implies (truncated or trailing bytes), a tensor holds NaN/Inf, or the freq_cis tables are not
+  /// RoPE tables of one base (rope_base()).
   static Model load(const std::string& path) {
     const std::uint64_t file_size = detail::regular_file_size(path, "checkpoint");
     std::ifstream in(path, std::ios::binary);
@@ -257,14 +258,17 @@ class Model {
     model.off_freq_imag_ = offset[12];
     model.off_classifier_ = c.shared_classifier ? offset[0] : offset[13];
 
-    // The file's RoPE tables must match what the forward pass computes (base 10000). The tables were
-    // written in float32, whose angle error grows with the position: allow for it.
+    // The RoPE base is read off the tables (the format has no field for it); then every entry must match
+    // what the forward pass computes with it. The tables were written in float32, whose angle error
+    // grows with the position: allow for it.
+    model.rope_base_ = model.estimate_rope_base();
     model.rope_error_ = model.compute_rope_table_error();
     const double tol = 1e-3 + 1e-6 * c.seq_len;
     if (!(model.rope_error_ <= tol)) {
-      throw detail::file_error(path, "freq_cis tables differ from RoPE base 10000 by " +
-                                         std::to_string(model.rope_error_) + " (tolerance " +
-                                         std::to_string(tol) + "); unsupported RoPE variant or corrupt file");
+      throw detail::file_error(path, "freq_cis tables differ from RoPE base " + std::to_string(model.rope_base_) +
+                                         " (read off their second pair) by " + std::to_string(model.rope_error_) +
+                                         " (tolerance " + std::to_string(tol) +
+                                         "); unsupported RoPE variant or corrupt file");
     }
     return model;
   }
@@ -296,7 +300,10 @@ class Model {
                         ptr(off_w3_ + L * hid * dim)};
   }
 
-  /// Max |file table - cos/sin(pos * 10000^(-2i/head_size))| over the freq_cis tables.
+  /// The RoPE base θ of the freq_cis tables: pair i turns by θ^(-2i/head_size) per position (10000 in
+  /// llama2.c's models; 10000 also where the tables cannot tell, head size 2 or a context of 1).
+  double rope_base() const { return rope_base_; }
+  /// Max |file table - cos/sin(pos * rope_base()^(-2i/head_size))| over the freq_cis tables.
   double rope_table_max_error() const { return rope_error_; }
 
   /// "dim=64 hidden_dim=172 ..." for messages.
@@ -354,13 +361,32 @@ class Model {
     return c;
   }
 
+  /// θ from pair 1's angle: its turn per position, read at position 1 (below π as long as θ > 1), then
+  /// refined at the last position, unwrapped by the first reading (float32 tables: the angle's error
+  /// divides by the position).
+  double estimate_rope_base() const {
+    const int half = config_.head_size() / 2;
+    const std::ptrdiff_t last = config_.seq_len - 1;
+    if (half < 2 || last < 1) return 10000.0;
+    auto angle = [&](std::ptrdiff_t p) {
+      const std::size_t k = static_cast<std::size_t>(p) * static_cast<std::size_t>(half) + 1;
+      return std::atan2(static_cast<double>(freq_cis_imag()[k]), static_cast<double>(freq_cis_real()[k]));
+    };
+    const double pi = 3.14159265358979323846;
+    double turn = angle(1);
+    if (!(turn > 0.0)) return 10000.0;  // no base > 1 gives this: the table check reports the mismatch
+    const double predicted = turn * static_cast<double>(last);
+    turn = (angle(last) + 2.0 * pi * std::round((predicted - angle(last)) / (2.0 * pi))) / static_cast<double>(last);
+    return std::pow(turn, -static_cast<double>(config_.head_size()) / 2.0);
+  }
+
   double compute_rope_table_error() const {
     const int hs = config_.head_size();
     const int half = hs / 2;
     double err = 0;
     for (int p = 0; p < config_.seq_len; ++p) {
       for (int i = 0; i < half; ++i) {
-        const double a = static_cast<double>(p) * rope_frequency(i, hs);
+        const double a = static_cast<double>(p) * rope_frequency(i, hs, rope_base_);
         const std::size_t k = static_cast<std::size_t>(p) * static_cast<std::size_t>(half) + static_cast<std::size_t>(i);
         err = std::max(err, std::abs(static_cast<double>(freq_cis_real()[k]) - std::cos(a)));
         err = std::max(err, std::abs(static_cast<double>(freq_cis_imag()[k]) - std::sin(a)));
@@ -375,6 +401,7 @@ class Model {
   std::uint64_t off_embedding_ = 0, off_rms_att_ = 0, off_wq_ = 0, off_wk_ = 0, off_wv_ = 0, off_wo_ = 0,
                 off_rms_ffn_ = 0, off_w1_ = 0, off_w2_ = 0, off_w3_ = 0, off_rms_final_ = 0,
                 off_freq_real_ = 0, off_freq_imag_ = 0, off_classifier_ = 0;
+  double rope_base_ = 10000.0;
   double rope_error_ = 0;
 };
 
@@ -1241,8 +1268,8 @@ class Session {
       linear(xb, w.wv, c.kv_dim(), v);
       ensure_pages(s, *std::max_element(s.len.begin(), s.len.end()) + T);
       for (std::ptrdiff_t t = 0; t < T; ++t) {
-        rope_rotate(q.row(t).data(), Hq, static_cast<int>(d), pos_ + t);
-        rope_rotate(k.row(t).data(), Hkv, static_cast<int>(d), pos_ + t);
+        rope_rotate(q.row(t).data(), Hq, static_cast<int>(d), pos_ + t, model_->rope_base());
+        rope_rotate(k.row(t).data(), Hkv, static_cast<int>(d), pos_ + t, model_->rope_base());
         for (int g = 0; g < Hkv; ++g) {
           const std::ptrdiff_t slot = s.len[static_cast<std::size_t>(g)] + t;
           std::copy(k.row(t).data() + g * d, k.row(t).data() + (g + 1) * d, row(s, s.keys, g, slot));

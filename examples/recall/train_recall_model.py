@@ -48,9 +48,10 @@ VALUES = list(range(3 + 0xC0, 3 + 0x100))  # 64 values
 
 # ---- model ----------------------------------------------------------------------------------------
 class Model(nn.Module):
-    def __init__(self, dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len):
+    def __init__(self, dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len, rope_base=10000.0):
         super().__init__()
         self.cfg = (dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len)
+        self.rope_base = rope_base
         self.dim, self.n_heads, self.n_kv, self.seq_len = dim, n_heads, n_kv_heads, seq_len
         self.hd = dim // n_heads
         kv = self.hd * n_kv_heads
@@ -69,7 +70,7 @@ class Model(nn.Module):
             L.w3 = nn.Linear(dim, hidden, bias=False)
             self.layers.append(L)
         self.norm = nn.Parameter(torch.ones(dim))
-        freqs = 1.0 / (10000.0 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd))
+        freqs = 1.0 / (float(rope_base) ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd))
         ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
         self.register_buffer("cos", torch.cos(ang).float(), persistent=False)
         self.register_buffer("sin", torch.sin(ang).float(), persistent=False)
@@ -154,7 +155,15 @@ class Model(nn.Module):
             data = np.frombuffer(f.read(), dtype="<f4")
         shared = vocab > 0
         vocab = abs(vocab)
-        m = Model(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len)
+        hd = dim // n_heads
+        # The RoPE base from the tables' pair 1 (as examples/engine/llama2.hpp reads it): its turn per
+        # position at position 1, refined at the last one.
+        tables = data[len(data) - seq_len * hd:].reshape(2, seq_len, hd // 2).astype(np.float64)
+        turn = math.atan2(tables[1, 1, 1], tables[0, 1, 1])
+        last = seq_len - 1
+        a = math.atan2(tables[1, last, 1], tables[0, last, 1])
+        turn = (a + 2 * math.pi * round((turn * last - a) / (2 * math.pi))) / last
+        m = Model(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len, rope_base=turn ** (-hd / 2))
         at = 0
 
         def take(shape):
@@ -164,7 +173,6 @@ class Model(nn.Module):
             at += n
             return t
 
-        hd = dim // n_heads
         kv = hd * n_kv
         with torch.no_grad():
             m.emb.weight.copy_(take((vocab, dim)))
@@ -324,6 +332,9 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--rope-base", type=float, default=500000.0,
+                    help="RoPE base θ: with 16-dimensional heads, 10000 leaves one pair turning less than a radian "
+                         "over 2048 positions, 500000 three")
     ap.add_argument("--phases", default=DEFAULT_PHASES,
                     help="'KIND LENGTHS STEPS; ...': copy (induction warm-up) or task batches, lengths cycled")
     ap.add_argument("--tokens-per-step", type=int, default=4096)
@@ -367,10 +378,12 @@ def main():
         model = Model.load(args.init).to(dev)
         args.dim, args.hidden, args.layers, args.heads, args.kv_heads, _, args.seq_len = model.cfg
     else:
-        model = Model(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 512, args.seq_len).to(dev)
+        model = Model(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 512, args.seq_len,
+                      args.rope_base).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: dim {args.dim} hidden {args.hidden} layers {args.layers} heads {args.heads}/{args.kv_heads} "
-          f"seq_len {args.seq_len}, {n_params} parameters; {total} steps: {args.phases}", flush=True)
+          f"seq_len {args.seq_len} RoPE base {model.rope_base:.6g}, {n_params} parameters; {total} steps: "
+          f"{args.phases}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
     eval_lengths = [int(x) for x in args.eval_lengths.split(",")]

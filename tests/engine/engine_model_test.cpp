@@ -91,13 +91,13 @@ std::vector<double> ref_rmsnorm(const std::vector<double>& x, const float* w) {
   return y;
 }
 
-void ref_rope(std::vector<double>& x, int head_size, int pos) {
-  const Config& c = model().config();
+void ref_rope(std::vector<double>& x, int head_size, int pos, const Model& m = model()) {
+  const Config& c = m.config();
   const int half = head_size / 2;
   for (std::size_t base = 0; base < x.size(); base += static_cast<std::size_t>(head_size)) {
     for (int i = 0; i < half; ++i) {
-      const double fr = model().freq_cis_real()[pos * half + i];
-      const double fi = model().freq_cis_imag()[pos * half + i];
+      const double fr = m.freq_cis_real()[pos * half + i];
+      const double fi = m.freq_cis_imag()[pos * half + i];
       const double a = x[base + 2 * static_cast<std::size_t>(i)];
       const double b = x[base + 2 * static_cast<std::size_t>(i) + 1];
       x[base + 2 * static_cast<std::size_t>(i)] = a * fr - b * fi;
@@ -369,6 +369,58 @@ TEST_CASE("cache and window-query layout match a direct layer-0 computation", "[
   Session s2(model());
   s2.prefill({1, 2, 3}, 32);
   CHECK(s2.window() == 3);
+}
+
+TEST_CASE("a checkpoint's RoPE base is read off its freq_cis tables", "[engine][model][files]") {
+  // stories260K.bin with tables of base 10^6 (as models trained for long contexts use): the forward pass
+  // rotates by them, not by 10000; a table mixing two bases is refused.
+  const std::size_t tables = 28 + 4 * (512 * 64 + 5 * 64 + 2 * 5 * 64 * 64 + 2 * 5 * 32 * 64 + 5 * 64 +
+                                       3 * 5 * 172 * 64 + 64);  // bytes before freq_cis_real [512][4]
+  auto with_base = [&](double pair3_base) {
+    std::vector<unsigned char> bytes = read_bytes(checkpoint_path());
+    for (int p = 0; p < 512; ++p)
+      for (int i = 0; i < 4; ++i) {
+        const double a = p * std::pow(i == 3 ? pair3_base : 1e6, -2.0 * i / 8.0);
+        put_f32(bytes, tables + 4 * static_cast<std::size_t>(p * 4 + i), static_cast<float>(std::cos(a)));
+        put_f32(bytes, tables + 4 * static_cast<std::size_t>(512 * 4 + p * 4 + i), static_cast<float>(std::sin(a)));
+      }
+    return bytes;
+  };
+  TempDir tmp;
+  write_bytes(tmp.file("base1e6.bin"), with_base(1e6));
+  const Model m = Model::load(tmp.file("base1e6.bin"));
+  CHECK(std::abs(m.rope_base() / 1e6 - 1.0) < 1e-6);
+  CHECK(m.rope_table_max_error() < 1e-4);
+  CHECK(model().rope_base() == Approx(10000.0).epsilon(1e-6));
+  // Layer 0's keys and queries at every position: the embedding's projections, rotated by the file's table.
+  const Config& c = m.config();
+  const int n = 40, d = c.head_size();
+  const std::vector<int> seq = test_sequence(n, 4);
+  Session s(m);
+  s.prefill(seq, n);
+  const LayerInput in = s.layer_input(0);
+  const LayerWeights w = m.layer(0);
+  double err = 0, moved = 0;
+  for (int j = 0; j < n; ++j) {
+    std::vector<double> x(static_cast<std::size_t>(c.dim));
+    for (int i = 0; i < c.dim; ++i) x[static_cast<std::size_t>(i)] = m.token_embedding()[seq[static_cast<std::size_t>(j)] * c.dim + i];
+    const std::vector<double> xb = ref_rmsnorm(x, w.rms_att);
+    std::vector<double> q = ref_matvec(w.wq, xb, c.dim), k = ref_matvec(w.wk, xb, c.kv_dim());
+    std::vector<double> k_10000 = k;
+    ref_rope(q, d, j, m);
+    ref_rope(k, d, j, m);
+    ref_rope(k_10000, d, j);  // the same key under base 10000
+    for (int i = 0; i < c.kv_dim(); ++i) {
+      err = std::max(err, std::abs(in.keys[(i / d) * in.head_stride + j * d + i % d] - k[static_cast<std::size_t>(i)]));
+      moved = std::max(moved, std::abs(k[static_cast<std::size_t>(i)] - k_10000[static_cast<std::size_t>(i)]));
+    }
+    for (int i = 0; i < c.dim; ++i)
+      err = std::max(err, std::abs(in.queries[((i / d) * n + j) * d + i % d] - q[static_cast<std::size_t>(i)]));
+  }
+  CHECK(err < 1e-4);
+  CHECK(moved > 1e-2);  // the bases differ visibly over these positions
+  write_bytes(tmp.file("mixed.bin"), with_base(1e4));
+  CHECK_THROWS_WITH(Model::load(tmp.file("mixed.bin")), Contains("freq_cis tables differ from RoPE base"));
 }
 
 TEST_CASE("identity compressor leaves every logit bit-identical", "[engine][model]") {

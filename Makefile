@@ -4,12 +4,15 @@
 BUILD     ?= build
 JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
-PACKAGES  := cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev
+PACKAGES  := cmake ninja-build g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev
 # The Python module (python/) and its tests: `make python` and `make test` install these as well.
 PYTHON_PACKAGES := pybind11-dev python3-dev python3-numpy python3-pytest python3-matplotlib
 # The recall model's training (docs/recall.md): PyTorch and the BLAS it runs fast with, never for the tests.
 RECALL_PACKAGES := python3-torch python3-numpy libopenblas0-pthread
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# New build folders use Ninja (it schedules the compilations of all targets together); an existing
+# folder keeps the generator it was configured with.
+generator = $(if $(wildcard $(1)/CMakeCache.txt),,-G Ninja)
 
 .PHONY: deps python-deps configure build demo test checks python sanitize-deps sanitize-build test-sanitize bench bench-smoke clean \
         bench-speed-table recall-model \
@@ -47,18 +50,18 @@ recall-model:
 	cd examples/recall && sha256sum recall-gqa.bin > recall-gqa.sha256
 
 configure: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(call generator,$(BUILD)) -DCMAKE_BUILD_TYPE=Release -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(call generator,$(BUILD)) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS) --target kvc_demo
 	$(BUILD)/examples/kvc_demo
 
 test: python-deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_CHECKS=OFF $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(call generator,$(BUILD)) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_CHECKS=OFF $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
@@ -66,20 +69,20 @@ test: python-deps
 # n = 4096, each once) and the packaging and documentation checks (every public header on its own, the
 # docs' C++ fragments and programs, consumer projects of the installed package and of the source tree).
 checks: python-deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=ON -DKVC_BUILD_CHECKS=ON $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(call generator,$(BUILD)) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=ON -DKVC_BUILD_CHECKS=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -L 'bench|consumer|docs'
 
 # The benchmark suite, built into the same folder with the same flags, and its smoke run (every
 # benchmark at n = 4096, each once); `make checks` runs it with the other checks.
 bench-smoke: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(call generator,$(BUILD)) -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON -DKVC_BUILD_BENCH=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS) --target kvc_bench
 	cd $(BUILD) && ctest --output-on-failure -L bench
 
 # The Python module into $(BUILD)/python/: PYTHONPATH=$(BUILD)/python python3 -c "import kvcompress".
 python: python-deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(call generator,$(BUILD)) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS) --target kvcompress_python
 
 # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, -O0, assertions on, built with clang
@@ -100,7 +103,7 @@ sanitize-deps:
 	fi
 
 sanitize-build: sanitize-deps
-	cmake -S . -B $(SANITIZE_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON \
+	cmake -S . -B $(SANITIZE_BUILD) $(call generator,$(SANITIZE_BUILD)) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON \
 	  -DKVC_SANITIZE=ON -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_PYTHON=OFF \
 	  $(CMAKE_ARGS)
 	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
@@ -117,7 +120,7 @@ FUZZ_BUILD   ?= build-fuzz
 FUZZ_SECONDS ?= 300
 
 fuzz-build: sanitize-deps
-	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS=-g -DKVC_SANITIZE=ON -DKVC_SANITIZE_OPT=-O1 -DKVC_BUILD_FUZZ=ON \
+	cmake -S . -B $(FUZZ_BUILD) $(call generator,$(FUZZ_BUILD)) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS=-g -DKVC_SANITIZE=ON -DKVC_SANITIZE_OPT=-O1 -DKVC_BUILD_FUZZ=ON \
 	  -DKVC_BUILD_TESTS=OFF -DKVC_BUILD_PYTHON=OFF -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF $(CMAKE_ARGS)
 	cmake --build $(FUZZ_BUILD) -j $(JOBS)
 

@@ -32,10 +32,14 @@ python-deps: deps
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
-# Trains examples/recall/recall-gqa.bin with Debian's PyTorch on the CPU, in two stages: the induction
-# warm-up and tasks up to 2048 tokens on one thread, then tasks of 512 to 2048 tokens on two.
-RECALL_STAGE1 ?= --threads 1 --decay 0 --phases "copy 32,48,64,96,128,192,256,384,512 1500; task 128,256,512 300; task 256,512,1024,2048 108"
-RECALL_STAGE2 ?= --threads 2 --seed 2 --lr 2e-3 --decay 0.4 --phases "task 512,1024,2048 450" --eval-every 150 --eval-lengths 1024,2048
+# Trains examples/recall/recall-gqa.bin with Debian's PyTorch on the CPU, in two stages on two threads:
+# the filler and the induction warm-up, then tasks up to 2048 tokens (RoPE base 500000, the script's
+# default); then tasks of 512 to 2048 tokens from that model, half of them 2048.
+RECALL_FILLER ?= build/recall-filler.npy
+RECALL_STAGE1 ?= --threads 2 --decay 0 --filler-cache $(RECALL_FILLER) \
+  --phases "copy 32,48,64,96,128,192,256,384,512 1500; task 128,256,512 300; task 256,512,1024,2048 108"
+RECALL_STAGE2 ?= --threads 2 --seed 2 --lr 2e-3 --decay 0.4 --filler-cache $(RECALL_FILLER) \
+  --phases "task 512,1024,2048,2048 600" --eval-every 150 --eval-lengths 1024,2048
 recall-model:
 	@missing=""; for p in $(RECALL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

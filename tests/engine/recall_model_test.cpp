@@ -93,11 +93,8 @@ TEST_CASE("the recall model answers over the full cache; keeping everything chan
     return;
   }
   const Model model = Model::load(*path);
-#ifdef KVC_ENABLE_ASSERTS  // the sanitizer build (-O0): the machinery on 2 short tasks; accuracy in the normal build
-  const int n_tasks = 2, length = 256;
-#else
-  const int n_tasks = 24, length = 1024;
-#endif
+  // The sanitizer build (-O0): the machinery on 2 short tasks; accuracy in the normal build.
+  const int n_tasks = kvc::test::kSanitizerBuild ? 2 : 12, length = kvc::test::kSanitizerBuild ? 256 : 1024;
   const auto tasks = make_recall_tasks(filler(), n_tasks, length, 21);
   const LayerCompressor keep_all = kvc::cli::engine_compressor(kvc::cli::make_method("snapkv", {}), kvc::Budget::ratio(1.0));
   const LayerCompressor tenth = kvc::cli::engine_compressor(kvc::cli::make_method("streaming", {}), kvc::Budget::ratio(0.05));
@@ -115,8 +112,8 @@ TEST_CASE("the recall model answers over the full cache; keeping everything chan
     }
   }
   INFO("full cache " << full_hits << " of " << 2 * n_tasks << ", 5% recent window " << tenth_hits);
-  if (n_tasks == 24) {
-    CHECK(full_hits >= 34);         // of 48: the model retrieves (0.82 over 300 tasks, docs/recall.md)
+  if (!kvc::test::kSanitizerBuild) {
+    CHECK(full_hits >= 21);         // of 24: the model retrieves (0.98 over 300 tasks of 1024 tokens, docs/recall.md)
     CHECK(tenth_hits < full_hits);  // a recent window of 5% forgets the facts
   }
   RecallTask empty;

@@ -176,6 +176,7 @@ inline MethodOptions method_options(Args& a) {
   if (a.has("steps")) o.steps = a.integer("steps", 0);
   if (a.has("safeguard")) o.safeguard = a.flag("safeguard");
   if (a.has("reposition")) o.reposition = a.flag("reposition");
+  if (a.has("rope-base")) o.rope_base = a.num("rope-base", 0);
   if (a.has("scorer")) o.scorer = a.str("scorer");
   if (a.has("merger")) o.merger = a.str("merger");
   if (a.has("compensator")) o.compensator = a.str("compensator");
@@ -183,6 +184,14 @@ inline MethodOptions method_options(Args& a) {
   if (a.has("block-size")) o.block_size = a.integer("block-size", 0, 1, std::numeric_limits<Index>::max());
   if (a.has("block-score")) o.block_score = a.str("block-score");
   return o;
+}
+
+/// generate and eval: the keys' RoPE is the model's, read off its file (--rope-base is compress's).
+inline void use_model_rope(MethodOptions& o, const engine::Model& model) {
+  if (o.rope_base)
+    throw std::invalid_argument("--rope-base does not apply to generate and eval: the model's RoPE base (" +
+                                std::to_string(model.rope_base()) + ") is read from its file");
+  o.rope_theta = model.rope_base();
 }
 
 /// --layer-budgets uniform|pyramid and --pyramid-beta (generate, eval): how a model's budget is shared
@@ -265,7 +274,7 @@ inline int cmd_generate(Args& a, std::ostream& out) {
   check_growth(growth, opts);
   const engine::Model model = engine::Model::load(files.model);
   const engine::Tokenizer tok = engine::Tokenizer::load(files.tokenizer, model.config().vocab_size);
-  opts.rope_theta = model.rope_base();  // repositioning and expected-attention rotate as the model does
+  use_model_rope(opts, model);  // repositioning and expected-attention rotate as the model does
   const int layers = model.config().n_layers;
   const std::vector<int> prompt_tokens = tok.encode(prompt, true);
   const Index P = static_cast<Index>(prompt_tokens.size());
@@ -732,7 +741,7 @@ inline int cmd_eval_recall(Args& a, std::ostream& out) {
     throw std::invalid_argument("--reposition does not apply with --task recall (the question follows the compressed cache)");
   for (const auto& m : grid.methods) make_method(m, opts);  // fail fast on a bad name or option
   const engine::Model model = engine::Model::load(model_path);
-  opts.rope_theta = model.rope_base();
+  use_model_rope(opts, model);
   if (length > model.config().seq_len)
     throw std::invalid_argument("--length " + std::to_string(length) + " exceeds the model's context of " +
                                 std::to_string(model.config().seq_len) + " tokens");
@@ -786,7 +795,7 @@ inline int cmd_eval(Args& a, std::ostream& out) {
     throw std::invalid_argument("--prefix " + std::to_string(config.prefix) + " must be below the sequence length " +
                                 std::to_string(seq_length) + (tokens_path.empty() ? " (--length)" : " (of --tokens)"));
   const engine::Model model = engine::Model::load(files.model);
-  opts.rope_theta = model.rope_base();
+  use_model_rope(opts, model);
   for (std::size_t s = 0; !tokens_path.empty() && s < seqs.size(); ++s)
     for (std::size_t t = 0; t < seqs[s].size(); ++t)
       if (seqs[s][t] >= model.config().vocab_size)
@@ -929,7 +938,7 @@ inline std::string usage() {
          "method options: --window --pool --pooling avg|max|none --recent --sinks --bucket\n"
          "  --route key-cosine|window-mass|co-attention|global --selection shared|per-head --alpha --r-max\n"
          "  --lambda (fixed λ) --lambda-mode holdout|fixed --holdout-every --beta --steps --safeguard on|off\n"
-         "  --reposition --threshold\n"
+         "  --reposition --threshold --rope-base B (compress: the keys' RoPE base, default 10000)\n"
          "stages swapped into the method: --scorer METHOD (its scorer) --merger drop|merge-all|soft-gate|ridge|nearest-key|cam\n"
          "  --compensator none|log-ratio|merge-count --allocation uniform|adakv\n"
          "  --block-size b (whole blocks of b entries kept or evicted) --block-score mean|max\n"

@@ -24,6 +24,9 @@ struct MethodOptions {
   std::optional<double> alpha, lambda, beta, r_max, threshold;
   std::optional<bool> safeguard, reposition;
   double rope_theta = 10000.0;  // the model's RoPE base (repositioning, expected-attention)
+  /// --rope-base (compress, Python): the keys' RoPE base where no model gives it; applies only where the
+  /// keys' RoPE is read (repositioning, or a scorer that reads it, as expected-attention's).
+  std::optional<double> rope_base;
   bool record_merges = false;  // fill each head's merge map (compress --explain)
 };
 
@@ -167,7 +170,7 @@ void apply_merger(A& a, const MethodOptions& o, const std::string& method) {
 
 template <class Args>
 void apply_reposition(Args& a, const MethodOptions& o) {
-  a.reposition.theta = o.rope_theta;  // the keys' RoPE, also read by expected-attention's scorer
+  a.reposition.theta = o.rope_base.value_or(o.rope_theta);  // the keys' RoPE, also read by expected-attention's scorer
   if (o.reposition && *o.reposition) a.reposition.enabled = true;
 }
 
@@ -227,6 +230,14 @@ typename Preset::Arguments method_arguments(const MethodOptions& o, const std::s
   typename Preset::Arguments args;
   detail::apply(args, o, method);
   return args;
+}
+
+/// Rejects --rope-base for a method that reads no RoPE (neither repositions nor scores with it).
+template <class Preset>
+void check_rope_base(const typename Preset::Arguments& a, const MethodOptions& o, const std::string& method) {
+  if (o.rope_base && !a.reposition.enabled &&
+      !kvc::detail::scorer_reads_rope(typename Preset::scorer_type{a.scorer}))
+    detail::not_applicable("rope-base", method);
 }
 
 /// The compressor for a method name; throws std::invalid_argument naming the problem for an

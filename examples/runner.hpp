@@ -83,6 +83,7 @@ template <class T>
 std::unique_ptr<Runner<T>> make_runner(const std::string& method, const MethodOptions& options, Index threads) {
   if (swaps_stages(options)) {
     auto args = composed_arguments(method, options);
+    check_rope_base<Composed>(args, options, method);
     args.threads = threads;
     args.record_merges = options.record_merges;
     return std::make_unique<detail::PresetRunner<T, Composed>>(args);
@@ -90,6 +91,7 @@ std::unique_ptr<Runner<T>> make_runner(const std::string& method, const MethodOp
   return visit_method(method, [&](auto tag) -> std::unique_ptr<Runner<T>> {
     using Preset = typename decltype(tag)::type;
     auto args = method_arguments<Preset>(options, method);
+    check_rope_base<Preset>(args, options, method);
     args.threads = threads;
     args.record_merges = options.record_merges;
     return std::make_unique<detail::PresetRunner<T, Preset>>(args);

@@ -114,7 +114,7 @@ void same_dtype(const Input& a, const char* an, const Input& b, const char* bn) 
 
 const char* const kOptionNames =
     "pool, pooling, recent, sinks, bucket, route, selection, alpha, r_max, lambda (or lambda_), lambda_mode, holdout_every, beta, steps, block_size, block_score, "
-    "safeguard, reposition, threshold, scorer, merger, compensator, allocation, record_merges";
+    "safeguard, reposition, rope_base, threshold, scorer, merger, compensator, allocation, record_merges";
 
 std::string type_name(py::handle v) { return py::str(py::type::of(v).attr("__name__")); }
 
@@ -200,6 +200,7 @@ cli::MethodOptions method_options(const py::kwargs& kwargs) {
       o.lambda = as_number(key, v);
     } else if (key == "safeguard") o.safeguard = as_flag(key, v);
     else if (key == "reposition") o.reposition = as_flag(key, v);
+    else if (key == "rope_base") o.rope_base = as_number(key, v);
     else if (key == "record_merges") o.record_merges = as_flag(key, v);
     else throw py::type_error("unknown option '" + key + "' (options: " + kOptionNames + ")");
   }

@@ -112,6 +112,8 @@ OPTIONED = [
     ("grkv-selkv", dict(steps=1, safeguard=False), 0.4),
     ("tova", dict(merger="soft-gate", compensator="log-ratio", bucket=8), 0.25),
     ("snapkv", dict(scorer="keydiff", merger="ridge", lambda_=0.05), 0.3),
+    ("expected-attention", dict(rope_base=500000.0), 0.25),
+    ("snapkv", dict(reposition=True, rope_base=1e6), 0.25),
 ]
 
 
@@ -120,6 +122,18 @@ def test_options_equal_the_tool(tmp_path, method, options, ratio):
     k, v, q = layer(2)
     r = kc.compress(k, v, q, method, ratio=ratio, **options)
     assert_equals_cli(r, cli(tmp_path, k, v, q, method, ratio=ratio, **options))
+
+
+def test_rope_base_is_the_keys_rope():
+    # Repositioning rotates the kept keys by their position change at the given base; expected-attention
+    # rotates its query statistics by it: another base, other keys and other scores.
+    k, v, q = layer(4)
+    for method, extra in (("snapkv", dict(reposition=True)), ("expected-attention", {})):
+        default = kc.compress(k, v, q, method, ratio=0.25, **extra)
+        same = kc.compress(k, v, q, method, ratio=0.25, rope_base=10000.0, **extra)
+        other = kc.compress(k, v, q, method, ratio=0.25, rope_base=500000.0, **extra)
+        np.testing.assert_array_equal(bits(same.keys), bits(default.keys))
+        assert not np.array_equal(other.keys, default.keys) or not np.array_equal(other.positions, default.positions)
 
 
 @pytest.mark.parametrize("method", ["selkv", "snapkv"])
@@ -375,6 +389,8 @@ def test_method_and_option_errors():
     raises(ValueError, "option --bucket does not apply to method 'grkv'", c, k, v, q, "grkv", bucket=8)
     raises(ValueError, "option --lambda does not apply to method 'selkv'", c, k, v, q, "selkv", lambda_=0.1)
     raises(ValueError, "option --pool does not apply to method 'full'", c, k, v, q, "full", pool=3)
+    raises(ValueError, "option --rope-base does not apply to method 'snapkv'", c, k, v, q, "snapkv", rope_base=5e5)
+    raises(ValueError, "rope.theta must be > 0", c, k, v, q, "expected-attention", rope_base=-1.0)
     raises(TypeError, "unknown option 'ratoi'", c, k, v, q, ratoi=0.3)
     raises(TypeError, "give either lambda or lambda_", c, k, v, q, "grkv", **{"lambda": 0.1, "lambda_": 0.2})
     raises(TypeError, "pool expects an integer, got float", c, k, v, q, "snapkv", pool=5.0)

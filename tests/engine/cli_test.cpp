@@ -183,6 +183,8 @@ TEST_CASE("the tool rejects bad input with a message and a non-zero exit code", 
   CHECK_THAT(err, Catch::Contains("unknown method 'nosuch'"));
   CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--alpha", "0.3"}) == 2);
   CHECK_THAT(err, Catch::Contains("--alpha does not apply to method 'snapkv'"));
+  CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--rope-base", "500000"}) == 2);
+  CHECK_THAT(err, Catch::Contains("--rope-base does not apply to method 'snapkv'"));
   CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--ratoi", "0.3"}) == 2);
   CHECK_THAT(err, Catch::Contains("unknown option --ratoi"));
   CHECK(compress(tmp / "K.npy", tmp / "K.npy", {"--method", "snapkv", "--ratio", "abc"}) == 2);

@@ -248,6 +248,10 @@ TEST_CASE("generate and eval compress while the cache grows, and refuse what can
   CHECK_THAT(err, Catch::Contains("--compress-every needs --decode-budget"));
   CHECK(run({"eval", "--samples", "2", "--methods", "snapkv", "--decode-budget", "64", "--reposition"}, out, err) == 2);
   CHECK_THAT(err, Catch::Contains("--reposition does not apply"));
+  // The model's RoPE base comes from its file: --rope-base is compress's.
+  CHECK(run({"generate", "--prompt", "Once", "--method", "expected-attention", "--rope-base", "500000", "--max-tokens", "2"},
+            out, err) == 2);
+  CHECK_THAT(err, Catch::Contains("--rope-base does not apply to generate and eval"));
   CHECK(run({"eval", "--samples", "2", "--length", "200", "--prefix", "160", "--methods", "snapkv", "--allocation",
              "adakv", "--decode-budget", "64", "--quiet"},
             out, err) != 0);

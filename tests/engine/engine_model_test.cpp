@@ -324,32 +324,24 @@ TEST_CASE("batched prefill equals token-by-token prefill", "[engine][model]") {
   CHECK(max_abs_diff(a.forward(7), b.forward(7)) < 1e-4);
 }
 
-TEST_CASE("cache and window-query layout match a direct layer-0 computation", "[engine][model]") {
-  // Layer 0's input at every position is the token embedding, so its keys, values and queries can be
-  // computed directly: q = RoPE(Wq rmsnorm(e)), using the file's freq_cis tables.
-  const Config& c = model().config();
-  const std::vector<int> seq = test_sequence(30, 3);
-  const int n = 30, W = 6, d = c.head_size();
-  Session s(model());
-  s.prefill(seq, W);
+// Max |engine - direct| over layer 0's cached keys and values and its last W queries after `s`
+// prefilled `seq` with window W. Layer 0's input at every position is the token embedding, so they can
+// be computed directly: q = RoPE(Wq rmsnorm(e)), rotated by the file's freq_cis tables.
+double layer0_error(const Model& m, const Session& s, const std::vector<int>& seq, int W) {
+  const Config& c = m.config();
+  const int n = static_cast<int>(seq.size()), d = c.head_size();
   const LayerInput in = s.layer_input(0);
-  REQUIRE(in.n == n);
-  REQUIRE(in.W == W);
-  REQUIRE(in.Hkv == c.n_kv_heads);
-  REQUIRE(in.Hq == c.n_heads);
-  REQUIRE(in.d == d);
-  REQUIRE(in.head_stride == s.capacity() * d);
-  const LayerWeights w = model().layer(0);
+  const LayerWeights w = m.layer(0);
   double err = 0;
   for (int j = 0; j < n; ++j) {
     std::vector<double> x(static_cast<std::size_t>(c.dim));
-    for (int i = 0; i < c.dim; ++i) x[static_cast<std::size_t>(i)] = model().token_embedding()[seq[static_cast<std::size_t>(j)] * c.dim + i];
+    for (int i = 0; i < c.dim; ++i) x[static_cast<std::size_t>(i)] = m.token_embedding()[seq[static_cast<std::size_t>(j)] * c.dim + i];
     const std::vector<double> xb = ref_rmsnorm(x, w.rms_att);
     std::vector<double> q = ref_matvec(w.wq, xb, c.dim);
     std::vector<double> k = ref_matvec(w.wk, xb, c.kv_dim());
     const std::vector<double> v = ref_matvec(w.wv, xb, c.kv_dim());
-    ref_rope(q, d, j);
-    ref_rope(k, d, j);
+    ref_rope(q, d, j, m);
+    ref_rope(k, d, j, m);
     for (int g = 0; g < c.n_kv_heads; ++g) {
       for (int i = 0; i < d; ++i) {
         err = std::max(err, std::abs(in.keys[g * in.head_stride + j * d + i] - k[static_cast<std::size_t>(g * d + i)]));
@@ -364,7 +356,23 @@ TEST_CASE("cache and window-query layout match a direct layer-0 computation", "[
       }
     }
   }
-  CHECK(err < 1e-4);
+  return err;
+}
+
+TEST_CASE("cache and window-query layout match a direct layer-0 computation", "[engine][model]") {
+  const Config& c = model().config();
+  const std::vector<int> seq = test_sequence(30, 3);
+  const int n = 30, W = 6, d = c.head_size();
+  Session s(model());
+  s.prefill(seq, W);
+  const LayerInput in = s.layer_input(0);
+  REQUIRE(in.n == n);
+  REQUIRE(in.W == W);
+  REQUIRE(in.Hkv == c.n_kv_heads);
+  REQUIRE(in.Hq == c.n_heads);
+  REQUIRE(in.d == d);
+  REQUIRE(in.head_stride == s.capacity() * d);
+  CHECK(layer0_error(model(), s, seq, W) < 1e-4);
   // A window larger than the prompt is clipped to the prompt length.
   Session s2(model());
   s2.prefill({1, 2, 3}, 32);
@@ -392,33 +400,19 @@ TEST_CASE("a checkpoint's RoPE base is read off its freq_cis tables", "[engine][
   CHECK(std::abs(m.rope_base() / 1e6 - 1.0) < 1e-6);
   CHECK(m.rope_table_max_error() < 1e-4);
   CHECK(model().rope_base() == Approx(10000.0).epsilon(1e-6));
-  // Layer 0's keys and queries at every position: the embedding's projections, rotated by the file's table.
-  const Config& c = m.config();
-  const int n = 40, d = c.head_size();
+  // Layer 0 follows the file's tables, and its keys differ visibly from those of base 10000.
+  const int n = 40;
   const std::vector<int> seq = test_sequence(n, 4);
-  Session s(m);
+  Session s(m), s_10000(model());
   s.prefill(seq, n);
-  const LayerInput in = s.layer_input(0);
-  const LayerWeights w = m.layer(0);
-  double err = 0, moved = 0;
-  for (int j = 0; j < n; ++j) {
-    std::vector<double> x(static_cast<std::size_t>(c.dim));
-    for (int i = 0; i < c.dim; ++i) x[static_cast<std::size_t>(i)] = m.token_embedding()[seq[static_cast<std::size_t>(j)] * c.dim + i];
-    const std::vector<double> xb = ref_rmsnorm(x, w.rms_att);
-    std::vector<double> q = ref_matvec(w.wq, xb, c.dim), k = ref_matvec(w.wk, xb, c.kv_dim());
-    std::vector<double> k_10000 = k;
-    ref_rope(q, d, j, m);
-    ref_rope(k, d, j, m);
-    ref_rope(k_10000, d, j);  // the same key under base 10000
-    for (int i = 0; i < c.kv_dim(); ++i) {
-      err = std::max(err, std::abs(in.keys[(i / d) * in.head_stride + j * d + i % d] - k[static_cast<std::size_t>(i)]));
-      moved = std::max(moved, std::abs(k[static_cast<std::size_t>(i)] - k_10000[static_cast<std::size_t>(i)]));
-    }
-    for (int i = 0; i < c.dim; ++i)
-      err = std::max(err, std::abs(in.queries[((i / d) * n + j) * d + i % d] - q[static_cast<std::size_t>(i)]));
-  }
-  CHECK(err < 1e-4);
-  CHECK(moved > 1e-2);  // the bases differ visibly over these positions
+  s_10000.prefill(seq, n);
+  CHECK(layer0_error(m, s, seq, n) < 1e-4);
+  const LayerInput in = s.layer_input(0), in_10000 = s_10000.layer_input(0);
+  double moved = 0;
+  for (int g = 0; g < in.Hkv; ++g)
+    for (std::ptrdiff_t i = 0; i < n * in.d; ++i)
+      moved = std::max(moved, static_cast<double>(std::abs(in.keys[g * in.head_stride + i] - in_10000.keys[g * in_10000.head_stride + i])));
+  CHECK(moved > 1e-2);
   write_bytes(tmp.file("mixed.bin"), with_base(1e4));
   CHECK_THROWS_WITH(Model::load(tmp.file("mixed.bin")), Contains("freq_cis tables differ from RoPE base"));
 }

@@ -39,7 +39,7 @@ RECALL_FILLER ?= build/recall-filler.npy
 RECALL_STAGE1 ?= --threads 2 --decay 0 --filler-cache $(RECALL_FILLER) \
   --phases "copy 32,48,64,96,128,192,256,384,512 1500; task 128,256,512 300; task 256,512,1024,2048 108"
 RECALL_STAGE2 ?= --threads 2 --seed 2 --lr 2e-3 --decay 0.4 --filler-cache $(RECALL_FILLER) \
-  --phases "task 512,1024,2048,2048 600" --eval-every 150 --eval-lengths 1024,2048
+  --phases "task 512,1024,2048,2048 760" --eval-every 380 --eval-lengths 1024,2048
 recall-model:
 	@missing=""; for p in $(RECALL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

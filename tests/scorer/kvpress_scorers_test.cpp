@@ -256,6 +256,37 @@ TEST_CASE("LagRelative: ranks are a permutation per partition; invariant to per-
   CHECK(kvc::test::elementwise_ratio(scores_of(soft, b2.view()), scores_of(soft, b.view()), {1e-9, 1e-15, 1e-9}) <= 1.0);
 }
 
+TEST_CASE("LagRelative on float caches ranks its own scores: ascending, ties by position, at every lag", "[scorer]") {
+  // Lags below, at and above the size up to which the ranks come from pairwise comparisons (1024), odd
+  // ones (not a multiple of the vector width); every third row repeats the one before it, so scores tie.
+  auto rng = kvc::test::make_rng(2718);
+  for (const long L : {1L, 37L, 128L, 1024L, 1100L}) {
+    const long s = 3, n = s + 3 * L + 5, d = 4;
+    ref::Tensor3 K = kvc::test::random_tensor(rng, 1, n, d), V = kvc::test::random_tensor(rng, 1, n, d);
+    for (long j = 1; j < n; j += 3)
+      for (long c = 0; c < d; ++c) {
+        K.at(0, j, c) = K.at(0, j - 1, c);
+        V.at(0, j, c) = V.at(0, j - 1, c);
+      }
+    const ref::Tensor3 Q(1, 1, d);
+    kvc::test::LayerBuffers<float> b(K, V, Q, Layout::head_major);
+    const Eigen::MatrixXd rank = scores_of(LagRelative{{s, L, true}}, b.view());
+    const Eigen::MatrixXd soft = scores_of(LagRelative{{s, L, false}}, b.view());  // float scores
+    long ties = 0;
+    for (long p = 0; p < 2; ++p)  // the scored partitions; the third is the tail
+      for (long j = s + p * L; j < s + (p + 1) * L; ++j) {
+        long r = 0;
+        for (long i = s + p * L; i < s + (p + 1) * L; ++i) {
+          r += soft(0, i) < soft(0, j) || (soft(0, i) == soft(0, j) && i < j);
+          ties += i != j && soft(0, i) == soft(0, j);
+        }
+        INFO("lag " << L << " entry " << j);
+        REQUIRE(rank(0, j) == double(static_cast<float>(double(r) / double(L))));
+      }
+    if (L >= 37) CHECK(ties > 0);
+  }
+}
+
 TEST_CASE("LagRelative: identical tokens tie, and ties rank by position", "[scorer]") {
   const long s = 2, L = 4, n = s + 3 * L, d = 4;
   ref::Tensor3 K(1, n, d), V(1, n, d);

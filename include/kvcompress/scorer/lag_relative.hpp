@@ -32,8 +32,8 @@ namespace kvc {
 /// (n < s + 2L) scores 1 for the sinks and c_g[j] = (j − s)/(n − s) after them, as kvpress, which
 /// keeps the newest tokens too. Decisions where kvpress divides by zero: a channel constant over
 /// the reference partition gives x̂ = 0; d = 1 gives σ = 0. σ and the partition's softmax are computed
-/// in float SIMD arithmetic for float, half and bfloat16 caches (the ranks by one integer sort of the
-/// scores rounded to float, ties by position), in double for double caches and wherever float would
+/// in float SIMD arithmetic for float, half and bfloat16 caches (the ranks are those of the scores
+/// rounded to float, ties by position), in double for double caches and wherever float would
 /// overflow, so any finite cache gives finite scores. Needs no window attention. One pass over K_g and
 /// V_g: O(n·d), O(L·d) memory.
 struct LagRelative {
@@ -184,6 +184,7 @@ struct LagRelative {
     std::vector<double> shift, scale, x;
     std::vector<float> low, inv, v, e;
     std::vector<std::uint64_t> keys;
+    std::vector<std::int32_t> bits, rank;
   };
 
   /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
@@ -210,20 +211,49 @@ struct LagRelative {
     for (Index j = 0; j < L; ++j) s[static_cast<std::size_t>(j)] /= z;
   }
 
-  /// keys (L) <- (float bits of score j) · 2^32 + j, sorted: ascending score rounded to float, ties by
-  /// position (non-negative floats order as their bits). False, sorting nothing, when a score is NaN,
-  /// negative or L does not fit 32 bits.
-  static bool rank_by_keys(const std::vector<double>& score, Index L, std::vector<std::uint64_t>& keys) {
-    if (L > Index(0xFFFFFFFF)) return false;
-    keys.resize(static_cast<std::size_t>(L));
+  /// rank (L) <- the rank of score j among the partition's, ascending by the score rounded to float (−0
+  /// as +0), ties by position. False, ranking nothing, when a score is NaN or negative or L does not
+  /// fit 31 bits. Non-negative floats order as their bits: up to 1024 scores, rank_j = #{i : b_i < b_j}
+  /// + #{i < j : b_i = b_j} by vectorised comparisons (O(L²), cheaper than a sort at this size); above,
+  /// one integer sort of b · 2^32 + j.
+  static bool rank_scores(const std::vector<double>& score, Index L, Scratch& w) {
+    using IB = xsimd::batch<std::int32_t, simd::default_arch>;
+    constexpr Index W = IB::size;
+    if (L > Index(0x7FFFFFFF) - W) return false;
+    const Index padded = (L + W - 1) / W * W;
+    w.bits.resize(static_cast<std::size_t>(padded));
+    w.rank.resize(static_cast<std::size_t>(L));
     for (Index j = 0; j < L; ++j) {
-      const float f = static_cast<float>(score[static_cast<std::size_t>(j)]);
+      const float f = static_cast<float>(score[static_cast<std::size_t>(j)]) + 0.0f;  // −0 → +0
       if (!(f >= 0.0f)) return false;
-      std::uint32_t bits = 0;
-      std::memcpy(&bits, &f, sizeof bits);
-      keys[static_cast<std::size_t>(j)] = (static_cast<std::uint64_t>(bits) << 32) | static_cast<std::uint64_t>(j);
+      std::memcpy(&w.bits[static_cast<std::size_t>(j)], &f, sizeof f);
     }
-    std::sort(keys.begin(), keys.end());
+    std::int32_t* b = w.bits.data();
+    if (L <= 1024) {
+      for (Index i = L; i < padded; ++i) b[i] = std::numeric_limits<std::int32_t>::max();  // above every score
+      // Lane masks by arithmetic (−1 where true; every difference fits 32 bits): b_i < b_j, b_i ≤ b_j, i < j.
+      alignas(64) std::int32_t lane[W];
+      for (Index k = 0; k < W; ++k) lane[k] = static_cast<std::int32_t>(k);
+      const IB iota = IB::load_aligned(lane);
+      for (Index j = 0; j < L; ++j) {
+        const IB bj(b[j]), bj1(b[j] + 1), jj(static_cast<std::int32_t>(j));
+        IB count(0);
+        for (Index i = 0; i < padded; i += W) {
+          const IB bi = IB::load_unaligned(b + i);
+          const IB before = (iota + IB(static_cast<std::int32_t>(i)) - jj) >> 31;
+          count -= ((bi - bj) >> 31) | (((bi - bj1) >> 31) & before);
+        }
+        w.rank[static_cast<std::size_t>(j)] = xsimd::hadd(count);
+      }
+      return true;
+    }
+    w.keys.resize(static_cast<std::size_t>(L));
+    for (Index j = 0; j < L; ++j)
+      w.keys[static_cast<std::size_t>(j)] = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(b[j])) << 32) |
+                                            static_cast<std::uint64_t>(j);
+    std::sort(w.keys.begin(), w.keys.end());
+    for (Index r = 0; r < L; ++r)
+      w.rank[static_cast<std::size_t>(w.keys[static_cast<std::size_t>(r)] & 0xFFFFFFFFu)] = static_cast<std::int32_t>(r);
     return true;
   }
 
@@ -253,10 +283,9 @@ struct LagRelative {
         continue;
       }
       if constexpr (!std::is_same_v<T, double>) {
-        if (rank_by_keys(key_s, L, scratch.keys)) {  // the float path's scores: one integer sort
-          for (Index r = 0; r < L; ++r)
-            out[lo + static_cast<Index>(scratch.keys[static_cast<std::size_t>(r)] & 0xFFFFFFFFu)] =
-                static_cast<Real>(static_cast<double>(r) / static_cast<double>(L));
+        if (rank_scores(key_s, L, scratch)) {  // the float path's scores, ranked as floats
+          for (Index j = 0; j < L; ++j)
+            out[lo + j] = static_cast<Real>(static_cast<double>(scratch.rank[static_cast<std::size_t>(j)]) / static_cast<double>(L));
           continue;
         }
       }

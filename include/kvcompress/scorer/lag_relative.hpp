@@ -104,52 +104,81 @@ struct LagRelative {
     }
   }
 
-  /// spreads_double's σ_j in float SIMD arithmetic, for float, half and bfloat16 rows: the reference
-  /// rows' per-channel min and max (exact), 1/(max − min) rounded to float, then per row the mean and
-  /// the centred sum of squares of x̂ (two passes over the row, in L1). Returns false, leaving the
-  /// partition to spreads_double, when a reciprocal range is not a normal float or a σ_j is not finite
-  /// (overflow, or a NaN/Inf entry). low, inv and v are scratch (d).
-  template <class Row>
-  static bool spreads_float(Row row, Index lo, Index L, Index d, std::vector<float>& low, std::vector<float>& inv,
-                            std::vector<float>& v, std::vector<double>& s) {
+  /// The per-channel min and max of a reference partition's rows, in float (exact for float, half and
+  /// bfloat16 rows); `ready` once they hold a whole partition.
+  struct Reference {
+    std::vector<float> low, high;
+    bool ready = false;
+  };
+
+  /// mn, mx (d) <- their elementwise min and max with row r.
+  template <class E>
+  static void fold_row(const E* r, Index d, float* mn, float* mx) {
     using A = simd::default_arch;
     using B = simd::fbatch<A>;
     constexpr Index W = B::size;
-    low.resize(static_cast<std::size_t>(d));
-    inv.resize(static_cast<std::size_t>(d));  // the max, then 1/(max − min)
-    v.resize(static_cast<std::size_t>(d));
-    float* mn = low.data();
-    float* mx = inv.data();
-    float* x = v.data();
-    for (Index c = 0; c < d; ++c) mn[c] = mx[c] = to_real<float>(row(lo + L)[c]);
-    for (Index i = lo + L + 1; i < lo + 2 * L; ++i) {
-      const auto* r = row(i);
-      Index c = 0;
-      for (; c + W <= d; c += W) {
-        const B e = simd::load<A>(r + c);
-        xsimd::min(B::load_unaligned(mn + c), e).store_unaligned(mn + c);
-        xsimd::max(B::load_unaligned(mx + c), e).store_unaligned(mx + c);
-      }
-      for (; c < d; ++c) {
-        const float e = to_real<float>(r[c]);
-        mn[c] = std::min(mn[c], e);
-        mx[c] = std::max(mx[c], e);
-      }
+    Index c = 0;
+    for (; c + W <= d; c += W) {
+      const B e = simd::load<A>(r + c);
+      xsimd::min(B::load_unaligned(mn + c), e).store_unaligned(mn + c);
+      xsimd::max(B::load_unaligned(mx + c), e).store_unaligned(mx + c);
     }
+    for (; c < d; ++c) {
+      const float e = to_real<float>(r[c]);
+      mn[c] = std::min(mn[c], e);
+      mx[c] = std::max(mx[c], e);
+    }
+  }
+
+  /// ref <- rows [lo, lo + L)'s per-channel min and max (row lo first, then the others folded in).
+  template <class Row>
+  static void start_reference(Row row, Index lo, Index d, Reference& ref) {
+    ref.low.resize(static_cast<std::size_t>(d));
+    ref.high.resize(static_cast<std::size_t>(d));
+    for (Index c = 0; c < d; ++c) ref.low[static_cast<std::size_t>(c)] = ref.high[static_cast<std::size_t>(c)] = to_real<float>(row(lo)[c]);
+    ref.ready = false;
+  }
+
+  /// spreads_double's σ_j in float SIMD arithmetic, for float, half and bfloat16 rows: the reference
+  /// rows' per-channel min and max (exact; `ref`, computed here unless ready), 1/(max − min) rounded to
+  /// float, then per row the mean and the centred sum of squares of x̂ (two passes over the row, in L1).
+  /// Rows [next_lo, next_lo + L) (none if next_lo < 0), the next partition's reference, are folded into
+  /// `next` while the rows are scored, so that their read from memory overlaps this arithmetic. Returns
+  /// false, leaving the partition to spreads_double and `next` not ready, when a reciprocal range is
+  /// not a normal float or a σ_j is not finite (overflow, or a NaN/Inf entry). inv and v are scratch (d).
+  template <class Row>
+  static bool spreads_float(Row row, Index lo, Index L, Index d, Reference& ref, Reference& next, Index next_lo,
+                            std::vector<float>& inv, std::vector<float>& v, std::vector<double>& s) {
+    using A = simd::default_arch;
+    using B = simd::fbatch<A>;
+    constexpr Index W = B::size;
+    if (!ref.ready) {
+      start_reference(row, lo + L, d, ref);
+      for (Index i = lo + L + 1; i < lo + 2 * L; ++i) fold_row(row(i), d, ref.low.data(), ref.high.data());
+      ref.ready = true;
+    }
+    next.ready = false;
+    if (next_lo >= 0) start_reference(row, next_lo, d, next);
+    inv.resize(static_cast<std::size_t>(d));
+    v.resize(static_cast<std::size_t>(d));
+    const float* mn = ref.low.data();
+    const float* mx = ref.high.data();
+    float* sc = inv.data();
+    float* x = v.data();
     for (Index c = 0; c < d; ++c) {
       const double range = static_cast<double>(mx[c]) - static_cast<double>(mn[c]);
       if (range == 0.0) {
-        mx[c] = 0.0f;  // a constant channel: x̂ = 0
+        sc[c] = 0.0f;  // a constant channel: x̂ = 0
         continue;
       }
       const double r = 1.0 / range;
       if (!(r >= static_cast<double>(std::numeric_limits<float>::min()) &&
             r <= static_cast<double>(std::numeric_limits<float>::max())))
         return false;  // NaN, or a range float cannot invert as a normal number
-      mx[c] = static_cast<float>(r);
+      sc[c] = static_cast<float>(r);
     }
-    const float* sc = mx;
     for (Index j = 0; j < L; ++j) {
+      if (next_lo >= 0 && j > 0) fold_row(row(next_lo + j), d, next.low.data(), next.high.data());
       const auto* r = row(lo + j);
       B acc(0.0f);
       float tail = 0.0f;
@@ -176,25 +205,29 @@ struct LagRelative {
       if (!std::isfinite(sigma)) return false;
       s[static_cast<std::size_t>(j)] = sigma;
     }
+    next.ready = next_lo >= 0;
     return true;
   }
 
   /// Scratch of partition_softmax and of the ranking.
   struct Scratch {
     std::vector<double> shift, scale, x;
-    std::vector<float> low, inv, v, e;
+    std::vector<float> inv, v, e;
+    Reference key_ref, key_next, value_ref, value_next;  // the current and the next partition's reference
     std::vector<std::uint64_t> keys;
     std::vector<std::int32_t> bits, rank;
   };
 
   /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
   /// rows [lo + L, lo + 2L): float SIMD arithmetic (spreads and exponentials) for float, half and
-  /// bfloat16 rows, else double.
+  /// bfloat16 rows, else double. The float path reads its reference's range from `ref` and folds the
+  /// next partition's reference, rows [next_lo, next_lo + L), into `next` (spreads_float).
   template <class Row>
-  static void partition_softmax(Row row, Index lo, Index L, Index d, Scratch& w, std::vector<double>& s) {
+  static void partition_softmax(Row row, Index lo, Index L, Index d, Reference& ref, Reference& next, Index next_lo,
+                                Scratch& w, std::vector<double>& s) {
     using E = std::remove_cv_t<std::remove_pointer_t<decltype(row(lo))>>;
     if constexpr (!std::is_same_v<E, double>) {
-      if (spreads_float(row, lo, L, d, w.low, w.inv, w.v, s)) {
+      if (spreads_float(row, lo, L, d, ref, next, next_lo, w.inv, w.v, s)) {
         w.e.resize(static_cast<std::size_t>(L));
         float top = -std::numeric_limits<float>::infinity();
         for (Index j = 0; j < L; ++j) top = std::max(top, w.e[static_cast<std::size_t>(j)] = static_cast<float>(s[static_cast<std::size_t>(j)]));
@@ -275,8 +308,13 @@ struct LagRelative {
     std::vector<Index> order(static_cast<std::size_t>(L));
     for (Index p = 0; p + 1 < q; ++p) {
       const Index lo = S + p * L;
-      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, scratch, key_s);
-      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, scratch, value_s);
+      const Index next_lo = p + 2 < q ? lo + 2 * L : -1;  // the next partition's reference, if one is scored
+      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, scratch.key_ref, scratch.key_next, next_lo,
+                        scratch, key_s);
+      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, scratch.value_ref, scratch.value_next, next_lo,
+                        scratch, value_s);
+      std::swap(scratch.key_ref, scratch.key_next);
+      std::swap(scratch.value_ref, scratch.value_next);
       for (Index j = 0; j < L; ++j) key_s[static_cast<std::size_t>(j)] = (key_s[static_cast<std::size_t>(j)] + value_s[static_cast<std::size_t>(j)]) / 2;
       if (!args.rank) {
         for (Index j = 0; j < L; ++j) out[lo + j] = static_cast<Real>(key_s[static_cast<std::size_t>(j)]);

@@ -11,6 +11,7 @@
 #include <limits>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace kvc {
@@ -130,7 +131,8 @@ struct LagRelative {
     }
   }
 
-  /// ref <- rows [lo, lo + L)'s per-channel min and max (row lo first, then the others folded in).
+  /// ref <- row lo as the start of a reference's per-channel min and max (fold_row adds the other rows),
+  /// not ready.
   template <class Row>
   static void start_reference(Row row, Index lo, Index d, Reference& ref) {
     ref.low.resize(static_cast<std::size_t>(d));

@@ -257,10 +257,11 @@ TEST_CASE("LagRelative: ranks are a permutation per partition; invariant to per-
 }
 
 TEST_CASE("LagRelative on float caches ranks its own scores: ascending, ties by position, at every lag", "[scorer]") {
-  // Lags below, at and above the size up to which the ranks come from pairwise comparisons (1024), odd
-  // ones (not a multiple of the vector width); every third row repeats the one before it, so scores tie.
+  // Lags below, at and above the sizes up to which the ranks come from pairwise comparisons (16 vectors:
+  // 64, 128 or 256 scores), odd ones (not a multiple of the vector width); every third row repeats the
+  // one before it, so scores tie.
   auto rng = kvc::test::make_rng(2718);
-  for (const long L : {1L, 37L, 128L, 1024L, 1100L}) {
+  for (const long L : {1L, 37L, 64L, 65L, 128L, 129L, 256L, 257L, 1100L}) {
     const long s = 3, n = s + 3 * L + 5, d = 4;
     ref::Tensor3 K = kvc::test::random_tensor(rng, 1, n, d), V = kvc::test::random_tensor(rng, 1, n, d);
     for (long j = 1; j < n; j += 3)

@@ -248,9 +248,10 @@ struct LagRelative {
 
   /// rank (L) <- the rank of score j among the partition's, ascending by the score rounded to float (−0
   /// as +0), ties by position. False, ranking nothing, when a score is NaN or negative or L does not
-  /// fit 31 bits. Non-negative floats order as their bits: up to 1024 scores, rank_j = #{i : b_i < b_j}
-  /// + #{i < j : b_i = b_j} by vectorised comparisons (O(L²), cheaper than a sort at this size); above,
-  /// one integer sort of b · 2^32 + j.
+  /// fit 31 bits. Non-negative floats order as their bits: up to 16 vectors of scores (256 with
+  /// AVX-512, 128 with AVX2), rank_j = #{i : b_i < b_j} + #{i < j : b_i = b_j} by vectorised
+  /// comparisons (O(L²/width), cheaper than a sort up to that size); above, one integer sort of
+  /// b · 2^32 + j.
   static bool rank_scores(const std::vector<double>& score, Index L, Scratch& w) {
     using IB = xsimd::batch<std::int32_t, simd::default_arch>;
     constexpr Index W = IB::size;
@@ -264,7 +265,7 @@ struct LagRelative {
       std::memcpy(&w.bits[static_cast<std::size_t>(j)], &f, sizeof f);
     }
     std::int32_t* b = w.bits.data();
-    if (L <= 1024) {
+    if (L <= 16 * W) {
       for (Index i = L; i < padded; ++i) b[i] = std::numeric_limits<std::int32_t>::max();  // above every score
       // Lane masks by arithmetic (−1 where true; every difference fits 32 bits): b_i < b_j, b_i ≤ b_j, i < j.
       alignas(64) std::int32_t lane[W];

@@ -160,7 +160,6 @@ struct LagRelative {
       ref.ready = true;
     }
     next.ready = false;
-    if (next_lo >= 0) start_reference(row, next_lo, d, next);
     inv.resize(static_cast<std::size_t>(d));
     v.resize(static_cast<std::size_t>(d));
     const float* mn = ref.low.data();
@@ -179,6 +178,7 @@ struct LagRelative {
         return false;  // NaN, or a range float cannot invert as a normal number
       sc[c] = static_cast<float>(r);
     }
+    if (next_lo >= 0) start_reference(row, next_lo, d, next);
     for (Index j = 0; j < L; ++j) {
       if (next_lo >= 0 && j > 0) fold_row(row(next_lo + j), d, next.low.data(), next.high.data());
       const auto* r = row(lo + j);

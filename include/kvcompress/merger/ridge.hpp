@@ -220,6 +220,24 @@ double window_error(const RowMatrix<Real>& Q,  // (R, d)
 }
 
 namespace detail {
+/// The coefficients of a plain (contiguous) matrix as one array, in storage order: Eigen 3.4's all(),
+/// any() and allFinite() walk column by column, one row stride per coefficient on a row-major matrix.
+template <class M>
+auto coefficients(const M& m) {
+  static_assert(std::is_base_of_v<Eigen::PlainObjectBase<M>, M>, "coefficients needs a plain matrix");
+  return Eigen::Map<const Eigen::Array<typename M::Scalar, Eigen::Dynamic, 1>>(m.data(), m.size());
+}
+/// Whether every coefficient of the plain matrix m is finite.
+template <class M>
+bool all_finite(const M& m) {
+  return coefficients(m).allFinite();
+}
+/// Whether every coefficient of the plain matrix m is below `limit` in magnitude (false for NaN).
+template <class M>
+bool all_below(const M& m, typename M::Scalar limit) {
+  return (coefficients(m).abs() < limit).all();
+}
+
 /// (R, u) columns `free` of X, in double.
 template <class Real>
 Eigen::MatrixXd free_columns(const RowMatrix<Real>& X, const std::vector<Index>& free) {
@@ -282,7 +300,7 @@ bool apply_value_update(const RowMatrix<Real>& XU, const Eigen::MatrixXd& sol, c
   const RowMatrix<Real> z = sol.template cast<Real>();  // (R, d)
   RowMatrix<Real> rows = XU.transpose() * z;            // (u, d)  the update, then V_U⁰ + update
   for (std::size_t k = 0; k < free.size(); ++k) rows.row(static_cast<Index>(k)) += V0.row(free[k]);
-  if (!(rows.array().abs() < limit).all()) return false;
+  if (!detail::all_below(rows, limit)) return false;
   if (&V != &V0) V = V0;
   for (std::size_t k = 0; k < free.size(); ++k) V.row(free[k]) = rows.row(static_cast<Index>(k));
   return true;
@@ -356,7 +374,7 @@ bool value_step_primal(const RowMatrix<Real>& X,   // (R, m)
   if (&V != &V0) V = V0;
   if (!solved) return false;
   const RowMatrix<Real> rows = rhs.template cast<Real>();  // (u, d)
-  if (!(rows.array().abs() < limit).all()) return false;
+  if (!detail::all_below(rows, limit)) return false;
   for (Index k = 0; k < u; ++k) V.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
   return true;
 }
@@ -557,7 +575,7 @@ KeyStepReport key_step_at(const KeyJacobian<Real>& jac, const RowMatrix<Real>& e
 
   RowMatrix<Real> rows = accumulated.transpose() * jac.queries;  // (u, d)  Jᵀ α, then K_U⁰ + Jᵀ α
   for (Index k = 0; k < u; ++k) rows.row(k) += K0.row(free[static_cast<std::size_t>(k)]);
-  const bool ok = (rows.array().abs() < limit).all();
+  const bool ok = all_below(rows, limit);
   if (finite) *finite = ok;
   if (ok || !finite)
     for (Index k = 0; k < u; ++k) K.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
@@ -765,7 +783,7 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
       for (Index k = 0; k < u; ++k)
         rows.row(k) = (V0.row(free[static_cast<std::size_t>(k)]).template cast<double>() + best_D.row(k))
                           .template cast<Real>();
-      written = (rows.array().abs() < limit).all();
+      written = detail::all_below(rows, limit);
       if (written) {
         if (&V != &V0) V = V0;
         for (Index k = 0; k < u; ++k) V.row(free[static_cast<std::size_t>(k)]) = rows.row(k);
@@ -808,7 +826,7 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
     diag.cg_residual = std::max(diag.cg_residual, rep.residual);
     if (detail::severity(rep.status) > detail::severity(diag.cg_status)) diag.cg_status = rep.status;
     diag.key_step_length = 0.0;
-    if (!finite || !K.allFinite()) {
+    if (!finite || !detail::all_finite(K)) {
       K = K_prev;
       diag.key_step_rejected = true;
       return;
@@ -988,7 +1006,7 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
     ensure_f();
     const double err_prev = args.safeguard ? error() : 0.0;
     RowMatrix<Real> K_prev;  // (m, d) for the safeguard, or to undo over non-finite entry keys
-    if (args.safeguard || !K.allFinite()) K_prev = K;
+    if (args.safeguard || !detail::all_finite(K)) K_prev = K;
     KeyStepReport rep;
     bool finite = true;
     {
@@ -1002,7 +1020,7 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
     diag.cg_iterations += rep.iterations;
     diag.cg_residual = std::max(diag.cg_residual, rep.residual);
     if (detail::severity(rep.status) > detail::severity(diag.cg_status)) diag.cg_status = rep.status;
-    if (!finite || !K.allFinite()) {  // new rows not written, or undone: the caches still describe K
+    if (!finite || !detail::all_finite(K)) {  // new rows not written, or undone: the caches still describe K
       if (K_prev.size() > 0) K = K_prev;
       diag.key_step_rejected = true;
       return;

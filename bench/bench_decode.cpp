@@ -119,8 +119,8 @@ void BM_StreamFma(benchmark::State& state) {
 /// range(2) selects what `budget` bounds: 0, the size after a compression (the cache grows to
 /// budget + budget/8 between two); 1, the cache's memory (it never holds more than budget entries:
 /// compressed to budget − budget/8, as OpenVINO GenAI's max cache size), so that both runs hold the
-/// same memory. x_fixed = growing / fixed seconds (the compressions included); x_fixed_decode: the same
-/// without the compressions (the growing cache's larger mean size alone); compress_ms: one
+/// same memory. x_fixed = growing / fixed seconds (the compressions included); x_fixed_decode = the
+/// growing run's seconds outside its compressions / fixed seconds; compress_ms: one
 /// compression (pipeline run and compaction), mean; mean_entries: the growing cache's mean size.
 template <class Preset>
 void BM_DecodeGrowing(benchmark::State& state) {

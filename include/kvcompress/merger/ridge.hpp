@@ -575,7 +575,7 @@ KeyStepReport key_step_at(const KeyJacobian<Real>& jac, const RowMatrix<Real>& e
 
   RowMatrix<Real> rows = accumulated.transpose() * jac.queries;  // (u, d)  Jᵀ α, then K_U⁰ + Jᵀ α
   for (Index k = 0; k < u; ++k) rows.row(k) += K0.row(free[static_cast<std::size_t>(k)]);
-  const bool ok = all_below(rows, limit);
+  const bool ok = detail::all_below(rows, limit);
   if (finite) *finite = ok;
   if (ok || !finite)
     for (Index k = 0; k < u; ++k) K.row(free[static_cast<std::size_t>(k)]) = rows.row(k);

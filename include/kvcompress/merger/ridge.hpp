@@ -220,22 +220,12 @@ double window_error(const RowMatrix<Real>& Q,  // (R, d)
 }
 
 namespace detail {
-/// The coefficients of a plain (contiguous) matrix as one array, in storage order: Eigen 3.4's all(),
-/// any() and allFinite() walk column by column, one row stride per coefficient on a row-major matrix.
-template <class M>
-auto coefficients(const M& m) {
-  static_assert(std::is_base_of_v<Eigen::PlainObjectBase<M>, M>, "coefficients needs a plain matrix");
-  return Eigen::Map<const Eigen::Array<typename M::Scalar, Eigen::Dynamic, 1>>(m.data(), m.size());
-}
-/// Whether every coefficient of the plain matrix m is finite.
-template <class M>
-bool all_finite(const M& m) {
-  return coefficients(m).allFinite();
-}
-/// Whether every coefficient of the plain matrix m is below `limit` in magnitude (false for NaN).
-template <class M>
-bool all_below(const M& m, typename M::Scalar limit) {
-  return (coefficients(m).abs() < limit).all();
+/// Whether every entry of the row-major matrix m is below `limit` in magnitude (false for NaN), read
+/// in storage order: Eigen 3.4's all() walks column by column, one row stride per entry here. Its
+/// finite-only twin is kvc::detail::row_finite over m.data().
+template <class Real>
+bool all_below(const RowMatrix<Real>& m, Real limit) {
+  return (Eigen::Map<const Eigen::Array<Real, Eigen::Dynamic, 1>>(m.data(), m.size()).abs() < limit).all();
 }
 
 /// (R, u) columns `free` of X, in double.
@@ -826,7 +816,7 @@ void regress_holdout(const RowMatrix<Real>& Q, const RowMatrix<Real>& Y, const A
     diag.cg_residual = std::max(diag.cg_residual, rep.residual);
     if (detail::severity(rep.status) > detail::severity(diag.cg_status)) diag.cg_status = rep.status;
     diag.key_step_length = 0.0;
-    if (!finite || !detail::all_finite(K)) {
+    if (!finite || !kvc::detail::row_finite(K.data(), K.size())) {
       K = K_prev;
       diag.key_step_rejected = true;
       return;
@@ -1006,7 +996,7 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
     ensure_f();
     const double err_prev = args.safeguard ? error() : 0.0;
     RowMatrix<Real> K_prev;  // (m, d) for the safeguard, or to undo over non-finite entry keys
-    if (args.safeguard || !detail::all_finite(K)) K_prev = K;
+    if (args.safeguard || !kvc::detail::row_finite(K.data(), K.size())) K_prev = K;
     KeyStepReport rep;
     bool finite = true;
     {
@@ -1020,7 +1010,7 @@ void regress(const RowMatrix<Real>& Q,  // (R, d) stacked group queries
     diag.cg_iterations += rep.iterations;
     diag.cg_residual = std::max(diag.cg_residual, rep.residual);
     if (detail::severity(rep.status) > detail::severity(diag.cg_status)) diag.cg_status = rep.status;
-    if (!finite || !detail::all_finite(K)) {  // new rows not written, or undone: the caches still describe K
+    if (!finite || !kvc::detail::row_finite(K.data(), K.size())) {  // new rows not written, or undone: the caches still describe K
       if (K_prev.size() > 0) K = K_prev;
       diag.key_step_rejected = true;
       return;

@@ -426,10 +426,25 @@ LayerInputs layer_inputs(py::handle keys, py::handle values, py::handle queries)
   return in;
 }
 
-/// compress(); with `seconds`, the time of the library call alone (python/bench_overhead.py).
+/// compress()'s library result and workspace, one per thread, reused from call to call: the library
+/// writes the kept rows into memory it already holds, and only the numpy arrays of the keys and values
+/// are new. New pages cost far more than rewriting held ones (docs/performance.md, "One-shot calls pay
+/// for fresh pages"). release_buffers() frees them.
+struct CallScratch {
+  LayerResult<float> result;
+  Workspace<float> ws;
+};
+CallScratch& call_scratch() {
+  static thread_local CallScratch scratch;
+  return scratch;
+}
+
+/// compress(); with `seconds`, the time of the library call alone (python/bench_overhead.py). With
+/// `one_shot`, the library's one-shot run(layer, budget) instead, which returns its result in new memory
+/// (the C++ call that compress stands for; the same bits).
 Result compress_impl(py::handle keys, py::handle values, py::handle queries, const std::string& method,
                      py::handle ratio, py::handle budget, py::handle threads, py::handle wo, const py::kwargs& kwargs,
-                     double* seconds) {
+                     double* seconds, bool one_shot = false) {
   const LayerInputs in = layer_inputs(keys, values, queries);
   const Projection w = projection_of(wo);
   const cli::MethodOptions options = method_options(kwargs);
@@ -439,18 +454,32 @@ Result compress_impl(py::handle keys, py::handle values, py::handle queries, con
   store->tokens = in.keys.shape[1];
   store->dim = in.keys.shape[2];
   store->merges = options.record_merges;
+  CallScratch& scratch = call_scratch();
   const auto run = [&](const auto& runner, auto layer) {
     attach(layer, w);
     py::gil_scoped_release nogil;
     const auto t0 = std::chrono::steady_clock::now();
-    store->result = runner->run(layer, b);
+    if (one_shot) store->result = runner->run(layer, b);
+    else runner->run(layer, b, scratch.result, scratch.ws);
     if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   if (in.keys.dtype == Dtype::f32)
     run(make_runner<float>(method, options, t), layer_of<float>(in.keys, in.values, in.queries));
   else
     run(make_runner<Eigen::half>(method, options, t), layer_of<Eigen::half>(in.keys, in.values, in.queries));
-  return Result(std::move(store));
+  if (one_shot) return Result(std::move(store));
+  // The result moves to the Store; its keys and values become numpy arrays now, and their row
+  // buffers go back to the scratch for the next call.
+  std::swap(store->result, scratch.result);
+  Result r(store);
+  r.keys();
+  r.values();
+  scratch.result.heads.resize(store->result.heads.size());
+  for (std::size_t g = 0; g < store->result.heads.size(); ++g) {
+    scratch.result.heads[g].keys.swap(store->result.heads[g].keys);
+    scratch.result.heads[g].values.swap(store->result.heads[g].values);
+  }
+  return r;
 }
 
 Result compress(py::handle keys, py::handle values, py::handle queries, const std::string& method, py::handle ratio,
@@ -459,12 +488,15 @@ Result compress(py::handle keys, py::handle values, py::handle queries, const st
 }
 
 py::tuple compress_timed(py::handle keys, py::handle values, py::handle queries, const std::string& method,
-                         py::handle ratio, py::handle budget, py::handle threads, py::handle wo,
+                         py::handle ratio, py::handle budget, py::handle threads, py::handle wo, bool one_shot,
                          const py::kwargs& kwargs) {
   double seconds = 0;
-  Result r = compress_impl(keys, values, queries, method, ratio, budget, threads, wo, kwargs, &seconds);
+  Result r = compress_impl(keys, values, queries, method, ratio, budget, threads, wo, kwargs, &seconds, one_shot);
   return py::make_tuple(std::move(r), seconds);
 }
+
+/// Frees compress()'s per-thread buffers (CallScratch) of the calling thread.
+void release_buffers() { call_scratch() = CallScratch(); }
 
 /// A method with its options, its result and its workspace kept from call to call: with repeating
 /// shapes and one thread, the library call allocates no more after the first than the C++ preset's
@@ -633,8 +665,13 @@ PYBIND11_MODULE(kvcompress, m) {
 
   m.def("_compress_timed", &compress_timed, py::arg("keys"), py::arg("values"), py::arg("queries"),
         py::arg("method") = "selkv", py::kw_only(), py::arg("ratio") = py::none(), py::arg("budget") = py::none(),
-        py::arg("threads") = 1, py::arg("wo") = py::none(),
-        "As compress; returns (result, seconds of the library call alone), for python/bench_overhead.py.");
+        py::arg("threads") = 1, py::arg("wo") = py::none(), py::arg("one_shot") = false,
+        "As compress; returns (result, seconds of the library call alone), for python/bench_overhead.py.\n"
+        "one_shot=True calls the library's one-shot run(layer, budget) (new memory) instead.");
+
+  m.def("release_buffers", &release_buffers,
+        "Frees the buffers compress() keeps for the calling thread between calls (the library's result rows\n"
+        "and workspace of its last call); the next call allocates them again.");
 
   py::class_<Compressor>(m, "Compressor", "A method with its options; keeps its result and workspace between calls.")
       .def(py::init<const std::string&, py::handle, const py::kwargs&>(), py::arg("method") = "selkv", py::kw_only(),

@@ -227,6 +227,34 @@ def test_compress_timed_is_compress():
     assert 0 < seconds < 10
 
 
+@pytest.mark.parametrize("method", ["snapkv", "selkv", "grkv", "adakv-selkv"])
+def test_compress_equals_the_one_shot_library_call(method):
+    # compress reuses its per-thread buffers; the one-shot run(layer, budget) gets new memory each time
+    for seed, dtype, n in ((26, np.float32, N), (27, np.float16, 200), (28, np.float32, 2 * N)):
+        k, v, q = layer(seed, n=n, dtype=dtype)
+        r, seconds = kc._compress_timed(k, v, q, method, ratio=0.3, one_shot=True)
+        same(r, kc.compress(k, v, q, method, ratio=0.3))
+        assert 0 < seconds < 10
+
+
+def test_results_of_compress_are_independent_of_later_calls():
+    k, v, q = layer(29)
+    r1 = kc.compress(k, v, q, "selkv", ratio=0.25)
+    kept = {f: np.copy(getattr(r1, f)) for f in ("positions", "keys", "values", "bias", "lengths")}
+    k2, v2, q2 = layer(30)
+    r2 = kc.compress(k2, v2, q2, "selkv", ratio=0.25)  # the same shapes: the same buffers underneath
+    r3 = kc.compress(*layer(31, n=2 * N), "snapkv", ratio=0.5)  # larger
+    kc.release_buffers()
+    r4 = kc.compress(k2, v2, q2, "selkv", ratio=0.25)  # buffers made anew
+    for f, a in kept.items():
+        np.testing.assert_array_equal(bits(getattr(r1, f)) if a.dtype.kind == "f" else getattr(r1, f),
+                                      bits(a) if a.dtype.kind == "f" else a, err_msg=f)
+    same(r2, r4)
+    assert not np.shares_memory(r1.keys, r2.keys) and not np.shares_memory(r2.values, r4.values)
+    assert r3.keys.shape == (HKV, N, D)
+    same(r1, kc.compress(k, v, q, "selkv", ratio=0.25))
+
+
 # ---- strided inputs, read in place ----------------------------------------------------------------
 
 def test_token_major_and_sliced_views_equal_contiguous():
@@ -261,7 +289,8 @@ def test_inputs_are_not_copied():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert r.lengths[0] == 1024
-    assert peak < k.nbytes // 4, f"numpy allocated {peak} bytes during the call: an input was copied"
+    out = r.keys.nbytes + r.values.nbytes  # the result's arrays, made during the call
+    assert peak < out + k.nbytes // 4, f"numpy allocated {peak} bytes during the call: an input was copied"
 
 
 # ---- Compressor -------------------------------------------------------------------------------------

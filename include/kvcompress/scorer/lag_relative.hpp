@@ -145,12 +145,13 @@ struct LagRelative {
   /// rows' per-channel min and max (exact; `ref`, computed here unless ready), 1/(max − min) rounded to
   /// float, then per row the mean and the centred sum of squares of x̂ (two passes over the row, in L1).
   /// Rows [next_lo, next_lo + L) (none if next_lo < 0), the next partition's reference, are folded into
-  /// `next` while the rows are scored, so that their read from memory overlaps this arithmetic. Returns
+  /// `next` while the rows are scored, and the rows the next call folds, [next_lo + L, next_lo + 2L)
+  /// below `ahead_end`, are requested into L2 (a hint), so that those folds read from cache. Returns
   /// false, leaving the partition to spreads_double and `next` not ready, when a reciprocal range is
   /// not a normal float or a σ_j is not finite (overflow, or a NaN/Inf entry). inv and v are scratch (d).
   template <class Row>
   static bool spreads_float(Row row, Index lo, Index L, Index d, Reference& ref, Reference& next, Index next_lo,
-                            std::vector<float>& inv, std::vector<float>& v, std::vector<double>& s) {
+                            Index ahead_end, std::vector<float>& inv, std::vector<float>& v, std::vector<double>& s) {
     using A = simd::default_arch;
     using B = simd::fbatch<A>;
     constexpr Index W = B::size;
@@ -181,6 +182,10 @@ struct LagRelative {
     if (next_lo >= 0) start_reference(row, next_lo, d, next);
     for (Index j = 0; j < L; ++j) {
       if (next_lo >= 0 && j > 0) fold_row(row(next_lo + j), d, next.low.data(), next.high.data());
+      if (next_lo >= 0 && next_lo + L + j < ahead_end) {  // the rows the next call folds, into L2
+        const auto* a = row(next_lo + L + j);
+        for (Index c = 0; c < d; c += Index(64 / sizeof(*a))) simd::prefetch_l2(a + c);
+      }
       const auto* r = row(lo + j);
       B acc(0.0f);
       float tail = 0.0f;
@@ -226,10 +231,10 @@ struct LagRelative {
   /// next partition's reference, rows [next_lo, next_lo + L), into `next` (spreads_float).
   template <class Row>
   static void partition_softmax(Row row, Index lo, Index L, Index d, Reference& ref, Reference& next, Index next_lo,
-                                Scratch& w, std::vector<double>& s) {
+                                Index ahead_end, Scratch& w, std::vector<double>& s) {
     using E = std::remove_cv_t<std::remove_pointer_t<decltype(row(lo))>>;
     if constexpr (!std::is_same_v<E, double>) {
-      if (spreads_float(row, lo, L, d, ref, next, next_lo, w.inv, w.v, s)) {
+      if (spreads_float(row, lo, L, d, ref, next, next_lo, ahead_end, w.inv, w.v, s)) {
         w.e.resize(static_cast<std::size_t>(L));
         float top = -std::numeric_limits<float>::infinity();
         for (Index j = 0; j < L; ++j) top = std::max(top, w.e[static_cast<std::size_t>(j)] = static_cast<float>(s[static_cast<std::size_t>(j)]));
@@ -313,9 +318,9 @@ struct LagRelative {
       const Index lo = S + p * L;
       const Index next_lo = p + 2 < q ? lo + 2 * L : -1;  // the next partition's reference, if one is scored
       partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, scratch.key_ref, scratch.key_next, next_lo,
-                        scratch, key_s);
+                        n, scratch, key_s);
       partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, scratch.value_ref, scratch.value_next, next_lo,
-                        scratch, value_s);
+                        n, scratch, value_s);
       std::swap(scratch.key_ref, scratch.key_next);
       std::swap(scratch.value_ref, scratch.value_next);
       for (Index j = 0; j < L; ++j) key_s[static_cast<std::size_t>(j)] = (key_s[static_cast<std::size_t>(j)] + value_s[static_cast<std::size_t>(j)]) / 2;

@@ -94,6 +94,8 @@ python: python-deps
 # those for FUZZ_CI_SECONDS (10) each from the same build. Examples, benchmarks and compile-only checks are built once,
 # by `make test`.
 SANITIZE_BUILD ?= $(BUILD)-sanitize
+# The test executables test-sanitize builds and runs (ctest names); empty: every one. CI names a few.
+SANITIZE_TESTS ?=
 FUZZ_JOBS      ?= 2
 FUZZ_CI_SECONDS ?= 10
 FUZZ_TARGETS   ?= npy model tokenizer layer
@@ -110,10 +112,11 @@ sanitize-build: sanitize-deps
 	cmake -S . -B $(SANITIZE_BUILD) $(call generator,$(SANITIZE_BUILD)) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON \
 	  -DKVC_SANITIZE=ON -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_PYTHON=OFF \
 	  $(CMAKE_ARGS)
-	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
+	cmake --build $(SANITIZE_BUILD) -j $(JOBS) $(if $(strip $(SANITIZE_TESTS)),--target $(SANITIZE_TESTS) $(FUZZ_TARGETS:%=%_fuzz))
 
 test-sanitize: sanitize-build
-	cd $(SANITIZE_BUILD) && ctest --output-on-failure -j $(JOBS)
+	cd $(SANITIZE_BUILD) && ctest --output-on-failure -j $(JOBS) \
+	  $(if $(strip $(SANITIZE_TESTS)),-R '^($(subst $(eval) ,|,$(strip $(SANITIZE_TESTS))))$$')
 
 fuzz-ci: sanitize-build
 	fuzz/run.sh $(SANITIZE_BUILD) $(FUZZ_CI_SECONDS) $(FUZZ_JOBS) $(FUZZ_TARGETS)

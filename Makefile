@@ -14,7 +14,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # folder keeps the generator it was configured with.
 generator = $(if $(wildcard $(1)/CMakeCache.txt),,-G Ninja)
 
-.PHONY: deps python-deps configure build demo test checks python sanitize-deps sanitize-build test-sanitize bench bench-smoke clean \
+.PHONY: deps python-deps configure build demo test checks python sanitize-deps sanitize-configure sanitize-build test-sanitize bench bench-smoke clean \
         bench-speed-table recall-model \
         fuzz-build fuzz fuzz-ci
 
@@ -108,17 +108,21 @@ sanitize-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
-sanitize-build: sanitize-deps
+sanitize-configure: sanitize-deps
 	cmake -S . -B $(SANITIZE_BUILD) $(call generator,$(SANITIZE_BUILD)) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release -DKVC_WERROR=ON \
 	  -DKVC_SANITIZE=ON -DKVC_BUILD_FUZZ=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCH=OFF -DKVC_BUILD_PYTHON=OFF \
 	  $(CMAKE_ARGS)
+
+sanitize-build: sanitize-configure
 	cmake --build $(SANITIZE_BUILD) -j $(JOBS) $(if $(strip $(SANITIZE_TESTS)),--target $(SANITIZE_TESTS) $(FUZZ_TARGETS:%=%_fuzz))
 
 test-sanitize: sanitize-build
 	cd $(SANITIZE_BUILD) && ctest --output-on-failure -j $(JOBS) \
 	  $(if $(strip $(SANITIZE_TESTS)),-R '^($(subst $(eval) ,|,$(strip $(SANITIZE_TESTS))))$$')
 
-fuzz-ci: sanitize-build
+# The fuzz targets alone (with what they link), in the same folder.
+fuzz-ci: sanitize-configure
+	cmake --build $(SANITIZE_BUILD) -j $(JOBS) --target $(FUZZ_TARGETS:%=%_fuzz)
 	fuzz/run.sh $(SANITIZE_BUILD) $(FUZZ_CI_SECONDS) $(FUZZ_JOBS) $(FUZZ_TARGETS)
 
 # libFuzzer targets alone (fuzz/), with debug information, in $(FUZZ_BUILD). `make fuzz` builds them and

@@ -94,8 +94,11 @@ python: python-deps
 # those for FUZZ_CI_SECONDS (10) each from the same build. Examples, benchmarks and compile-only checks are built once,
 # by `make test`.
 SANITIZE_BUILD ?= $(BUILD)-sanitize
-# The test executables test-sanitize builds and runs (ctest names); empty: every one. CI names a few.
+# The test executables test-sanitize builds and runs (ctest names, e.g. "pipeline_tests engine_tests");
+# empty: every one.
 SANITIZE_TESTS ?=
+empty :=
+space := $(empty) $(empty)
 FUZZ_JOBS      ?= 2
 FUZZ_CI_SECONDS ?= 10
 FUZZ_TARGETS   ?= npy model tokenizer layer
@@ -118,7 +121,7 @@ sanitize-build: sanitize-configure
 
 test-sanitize: sanitize-build
 	cd $(SANITIZE_BUILD) && ctest --output-on-failure -j $(JOBS) \
-	  $(if $(strip $(SANITIZE_TESTS)),-R '^($(subst $(eval) ,|,$(strip $(SANITIZE_TESTS))))$$')
+	  $(if $(strip $(SANITIZE_TESTS)),-R '^($(subst $(space),|,$(strip $(SANITIZE_TESTS))))$$')
 
 # The fuzz targets alone (with what they link), in the same folder.
 fuzz-ci: sanitize-configure

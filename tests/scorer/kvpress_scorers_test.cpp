@@ -167,7 +167,8 @@ TEST_CASE("LagRelative (LagKV) scores: partitions against their successor, then 
                                             LagRelative::Arguments{}}) {
     const long s = args.sinks, L = args.lag;
     for (long n : {1L, s + 1, s + 2 * L - 1, s + 2 * L, s + 2 * L + 3, s + 5 * L + 7, 300L}) {
-      for (long d : {1L, 3L, 16L, 35L}) {
+      // 64 and 128: eight SIMD batches of channels with AVX2 and with AVX-512 (x̂ kept in registers).
+      for (long d : {1L, 3L, 16L, 35L, 64L, 128L}) {
         INFO("sinks " << s << " lag " << L << " rank " << args.rank << " n " << n << " d " << d);
         ref::Tensor3 K = kvc::test::random_tensor(rng, 2, n, d), V = kvc::test::random_tensor(rng, 2, n, d);
         const ref::Tensor3 Q = kvc::test::random_tensor(rng, 2, 1, d);
@@ -188,14 +189,15 @@ TEST_CASE("LagRelative (LagKV) scores: partitions against their successor, then 
 TEST_CASE("LagRelative on float caches: where float cannot normalise or its spreads overflow, double takes over", "[scorer]") {
   INFO("seed " << kvc::test::test_seed());
   auto rng = kvc::test::make_rng(315);
-  const long s = 2, L = 8, n = s + 4 * L + 3, d = 35;
-  const ref::Tensor3 Q = kvc::test::random_tensor(rng, 2, 1, d);
+  const long s = 2, L = 8, n = s + 4 * L + 3;
   auto as_float = [](ref::Tensor3 t, double a) {  // scaled, then rounded to float: the cache's exact values
     for (double& x : t.data) x = static_cast<double>(static_cast<float>(x * a));
     return t;
   };
-  for (int c = 0; c < 3; ++c) {
-    INFO("case " << c);
+  for (int c = 0; c < 3; ++c)
+  for (long d : {35L, 64L, 128L}) {
+    INFO("case " << c << " d " << d);
+    const ref::Tensor3 Q = kvc::test::random_tensor(rng, 2, 1, d);
     ref::Tensor3 K = kvc::test::random_tensor(rng, 2, n, d), V = kvc::test::random_tensor(rng, 2, n, d);
     if (c == 0) {  // ranges of about 1e-40: their reciprocals overflow float
       K = as_float(K, 1e-40);

@@ -106,61 +106,80 @@ struct LagRelative {
   }
 
   /// The per-channel min and max of a reference partition's rows, in float (exact for float, half and
-  /// bfloat16 rows); `ready` once they hold a whole partition.
+  /// bfloat16 rows).
   struct Reference {
     std::vector<float> low, high;
-    bool ready = false;
   };
 
-  /// mn, mx (d) <- their elementwise min and max with row r.
-  template <class E>
-  static void fold_row(const E* r, Index d, float* mn, float* mx) {
+  /// mn, mx [c0, c0 + NB·W) <- the per-channel min and max of rows [lo, lo + L), the running values in
+  /// registers while the rows stream by (no chain through memory, many loads in flight). Each row is
+  /// folded as min(running, row), max(running, row) in row order, as a scalar std::min/std::max fold.
+  template <int NB, class Row>
+  static void fold_block(Row row, Index lo, Index L, Index c0, float* mn, float* mx) {
     using A = simd::default_arch;
     using B = simd::fbatch<A>;
     constexpr Index W = B::size;
-    Index c = 0;
-    for (; c + W <= d; c += W) {
-      const B e = simd::load<A>(r + c);
-      xsimd::min(B::load_unaligned(mn + c), e).store_unaligned(mn + c);
-      xsimd::max(B::load_unaligned(mx + c), e).store_unaligned(mx + c);
+    B low[NB], high[NB];
+    const auto* first = row(lo);
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) low[b] = high[b] = simd::load<A>(first + c0 + b * W);
+    for (Index i = lo + 1; i < lo + L; ++i) {
+      const auto* r = row(i);
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) {
+        const B e = simd::load<A>(r + c0 + b * W);
+        low[b] = xsimd::min(low[b], e);
+        high[b] = xsimd::max(high[b], e);
+      }
     }
-    for (; c < d; ++c) {
-      const float e = to_real<float>(r[c]);
-      mn[c] = std::min(mn[c], e);
-      mx[c] = std::max(mx[c], e);
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) {
+      low[b].store_unaligned(mn + c0 + b * W);
+      high[b].store_unaligned(mx + c0 + b * W);
     }
   }
 
-  /// ref <- row lo as the start of a reference's per-channel min and max (fold_row adds the other rows),
-  /// not ready.
+  /// ref <- the per-channel min and max of rows [lo, lo + L), in blocks of 8, 4, 2 and 1 SIMD batches of
+  /// channels (fold_block), then the channels after the last whole batch one at a time.
   template <class Row>
-  static void start_reference(Row row, Index lo, Index d, Reference& ref) {
+  static void fold_rows(Row row, Index lo, Index L, Index d, Reference& ref) {
+    constexpr Index W = simd::fbatch<simd::default_arch>::size;
     ref.low.resize(static_cast<std::size_t>(d));
     ref.high.resize(static_cast<std::size_t>(d));
-    for (Index c = 0; c < d; ++c) ref.low[static_cast<std::size_t>(c)] = ref.high[static_cast<std::size_t>(c)] = to_real<float>(row(lo)[c]);
-    ref.ready = false;
+    float* mn = ref.low.data();
+    float* mx = ref.high.data();
+    Index c = 0;
+    for (; c + 8 * W <= d; c += 8 * W) fold_block<8>(row, lo, L, c, mn, mx);
+    if (c + 4 * W <= d) fold_block<4>(row, lo, L, c, mn, mx), c += 4 * W;
+    if (c + 2 * W <= d) fold_block<2>(row, lo, L, c, mn, mx), c += 2 * W;
+    if (c + W <= d) fold_block<1>(row, lo, L, c, mn, mx), c += W;
+    for (; c < d; ++c) {
+      float low = to_real<float>(row(lo)[c]), high = low;
+      for (Index i = lo + 1; i < lo + L; ++i) {
+        const float e = to_real<float>(row(i)[c]);
+        low = std::min(low, e);
+        high = std::max(high, e);
+      }
+      mn[c] = low;
+      mx[c] = high;
+    }
   }
 
   /// spreads_double's σ_j in float SIMD arithmetic, for float, half and bfloat16 rows: the reference
-  /// rows' per-channel min and max (exact; `ref`, computed here unless ready), 1/(max − min) rounded to
-  /// float, then per row the mean and the centred sum of squares of x̂ (two passes over the row, in L1).
-  /// Rows [next_lo, next_lo + L) (none if next_lo < 0), the next partition's reference, are folded into
-  /// `next` while the rows are scored, and the rows the next call folds, [next_lo + L, next_lo + 2L)
-  /// below `ahead_end`, are requested into L2 (a hint), so that those folds read from cache. Returns
-  /// false, leaving the partition to spreads_double and `next` not ready, when a reciprocal range is
-  /// not a normal float or a σ_j is not finite (overflow, or a NaN/Inf entry). inv and v are scratch (d).
+  /// rows' per-channel min and max (exact; fold_rows), 1/(max − min) rounded to float, then per row the
+  /// mean and the centred sum of squares of x̂ (two passes over the row, in L1). While the rows are
+  /// scored, the rows the next call folds, [lo + 2L, lo + 3L) below `ahead_end`, are requested into L2
+  /// (a hint), so that every row comes from memory once, spread over the scoring, and the fold and the
+  /// scoring read from cache. Returns false, leaving the partition to spreads_double, when a
+  /// reciprocal range is not a normal float or a σ_j is not finite (overflow, or a NaN/Inf entry).
+  /// ref, inv and v are scratch (d).
   template <class Row>
-  static bool spreads_float(Row row, Index lo, Index L, Index d, Reference& ref, Reference& next, Index next_lo,
-                            Index ahead_end, std::vector<float>& inv, std::vector<float>& v, std::vector<double>& s) {
+  static bool spreads_float(Row row, Index lo, Index L, Index d, Index ahead_end, Reference& ref,
+                            std::vector<float>& inv, std::vector<float>& v, std::vector<double>& s) {
     using A = simd::default_arch;
     using B = simd::fbatch<A>;
     constexpr Index W = B::size;
-    if (!ref.ready) {
-      start_reference(row, lo + L, d, ref);
-      for (Index i = lo + L + 1; i < lo + 2 * L; ++i) fold_row(row(i), d, ref.low.data(), ref.high.data());
-      ref.ready = true;
-    }
-    next.ready = false;
+    fold_rows(row, lo + L, L, d, ref);
     inv.resize(static_cast<std::size_t>(d));
     v.resize(static_cast<std::size_t>(d));
     const float* mn = ref.low.data();
@@ -179,13 +198,43 @@ struct LagRelative {
         return false;  // NaN, or a range float cannot invert as a normal number
       sc[c] = static_cast<float>(r);
     }
-    if (next_lo >= 0) start_reference(row, next_lo, d, next);
-    for (Index j = 0; j < L; ++j) {
-      if (next_lo >= 0 && j > 0) fold_row(row(next_lo + j), d, next.low.data(), next.high.data());
-      if (next_lo >= 0 && next_lo + L + j < ahead_end) {  // the rows the next call folds, into L2
-        const auto* a = row(next_lo + L + j);
+    const auto request_ahead = [&](Index j) {  // the next call's reference, into L2
+      if (lo + 2 * L + j < ahead_end) {
+        const auto* a = row(lo + 2 * L + j);
         for (Index c = 0; c < d; c += Index(64 / sizeof(*a))) simd::prefetch_l2(a + c);
       }
+    };
+    if (d == 8 * W) {  // the same arithmetic with x̂, the minima and the reciprocal ranges in registers
+      B low[8], inv_range[8];
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) {
+        low[b] = B::load_unaligned(mn + b * W);
+        inv_range[b] = B::load_unaligned(sc + b * W);
+      }
+      for (Index j = 0; j < L; ++j) {
+        request_ahead(j);
+        const auto* r = row(lo + j);
+        B e[8];
+        B acc(0.0f);
+#pragma GCC unroll 8
+        for (int b = 0; b < 8; ++b) {
+          e[b] = (simd::load<A>(r + b * W) - low[b]) * inv_range[b];
+          simd::pin_register<A>(e[b]);  // rounded, as stored: not fused into the sums below
+          acc += e[b];
+        }
+        const float mean = simd::reduce_add<A>(acc) / static_cast<float>(d);
+        const B m(mean);
+        B sq(0.0f);
+#pragma GCC unroll 8
+        for (int b = 0; b < 8; ++b) sq = simd::fma(e[b] - m, e[b] - m, sq);
+        const double sigma = std::sqrt(static_cast<double>(simd::reduce_add<A>(sq)) / static_cast<double>(d - 1));
+        if (!std::isfinite(sigma)) return false;
+        s[static_cast<std::size_t>(j)] = sigma;
+      }
+      return true;
+    }
+    for (Index j = 0; j < L; ++j) {
+      request_ahead(j);
       const auto* r = row(lo + j);
       B acc(0.0f);
       float tail = 0.0f;
@@ -212,7 +261,6 @@ struct LagRelative {
       if (!std::isfinite(sigma)) return false;
       s[static_cast<std::size_t>(j)] = sigma;
     }
-    next.ready = next_lo >= 0;
     return true;
   }
 
@@ -220,21 +268,20 @@ struct LagRelative {
   struct Scratch {
     std::vector<double> shift, scale, x;
     std::vector<float> inv, v, e;
-    Reference key_ref, key_next, value_ref, value_next;  // the current and the next partition's reference
+    Reference ref;
     std::vector<std::uint64_t> keys;
     std::vector<std::int32_t> bits, rank;
   };
 
   /// s (L) <- softmax over partition [lo, lo + L) of the spread of its rows min-max normalised by the
   /// rows [lo + L, lo + 2L): float SIMD arithmetic (spreads and exponentials) for float, half and
-  /// bfloat16 rows, else double. The float path reads its reference's range from `ref` and folds the
-  /// next partition's reference, rows [next_lo, next_lo + L), into `next` (spreads_float).
+  /// bfloat16 rows, else double.
   template <class Row>
-  static void partition_softmax(Row row, Index lo, Index L, Index d, Reference& ref, Reference& next, Index next_lo,
-                                Index ahead_end, Scratch& w, std::vector<double>& s) {
+  static void partition_softmax(Row row, Index lo, Index L, Index d, Index ahead_end, Scratch& w,
+                                std::vector<double>& s) {
     using E = std::remove_cv_t<std::remove_pointer_t<decltype(row(lo))>>;
     if constexpr (!std::is_same_v<E, double>) {
-      if (spreads_float(row, lo, L, d, ref, next, next_lo, ahead_end, w.inv, w.v, s)) {
+      if (spreads_float(row, lo, L, d, ahead_end, w.ref, w.inv, w.v, s)) {
         w.e.resize(static_cast<std::size_t>(L));
         float top = -std::numeric_limits<float>::infinity();
         for (Index j = 0; j < L; ++j) top = std::max(top, w.e[static_cast<std::size_t>(j)] = static_cast<float>(s[static_cast<std::size_t>(j)]));
@@ -316,13 +363,8 @@ struct LagRelative {
     std::vector<Index> order(static_cast<std::size_t>(L));
     for (Index p = 0; p + 1 < q; ++p) {
       const Index lo = S + p * L;
-      const Index next_lo = p + 2 < q ? lo + 2 * L : -1;  // the next partition's reference, if one is scored
-      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, scratch.key_ref, scratch.key_next, next_lo,
-                        n, scratch, key_s);
-      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, scratch.value_ref, scratch.value_next, next_lo,
-                        n, scratch, value_s);
-      std::swap(scratch.key_ref, scratch.key_next);
-      std::swap(scratch.value_ref, scratch.value_next);
+      partition_softmax([&](Index j) { return ctx.key(j); }, lo, L, d, n, scratch, key_s);
+      partition_softmax([&](Index j) { return ctx.value(j); }, lo, L, d, n, scratch, value_s);
       for (Index j = 0; j < L; ++j) key_s[static_cast<std::size_t>(j)] = (key_s[static_cast<std::size_t>(j)] + value_s[static_cast<std::size_t>(j)]) / 2;
       if (!args.rank) {
         for (Index j = 0; j < L; ++j) out[lo + j] = static_cast<Real>(key_s[static_cast<std::size_t>(j)]);

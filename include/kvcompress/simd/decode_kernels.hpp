@@ -26,20 +26,6 @@
 
 namespace kvc::simd {
 
-/// Makes the compiler materialise `b` in a register here (an empty asm with the register as in/out
-/// operand), so a batch loaded once and used several times is not re-read from memory at every use
-/// (GCC otherwise folds the load into each FMA, tripling the loads of the micro-kernels below).
-template <class A>
-inline void pin_register(fbatch<A>& b) {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
-  typename fbatch<A>::register_type r = b;
-  __asm__("" : "+x"(r));
-  b = r;
-#else
-  (void)b;
-#endif
-}
-
 /// out[j] = Σ_lanes acc[j] for j < 8. On an 8-lane x86 architecture a transposing hadd tree (6 hadd,
 /// 2 lane permutes, 1 add, one store) instead of 8 separate horizontal sums; elsewhere reduce_add.
 template <class A>

@@ -69,6 +69,23 @@ inline void prefetch_l2(const void* p) {
 #endif
 }
 
+/// Makes the compiler materialise `b` in a register here (an empty asm with the register as in/out
+/// operand). A batch loaded once and used several times is then not re-read from memory at every use
+/// (GCC otherwise folds the load into each FMA, tripling the loads of the decode micro-kernels), and
+/// a product is rounded here: the compiler cannot fuse it into the adds that use it, which it does
+/// when it contracts floating-point expressions (GCC at -O2), so the result is the same with and
+/// without contraction.
+template <class A>
+inline void pin_register(fbatch<A>& b) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
+  typename fbatch<A>::register_type r = b;
+  __asm__("" : "+x"(r));
+  b = r;
+#else
+  (void)b;
+#endif
+}
+
 /// x·y + z with one rounding, on every build. xsimd 8.1 has no AVX-512 multiply-add: there its
 /// xsimd::fma is the generic x * y + z, which the compiler fuses only when it contracts floating-point
 /// expressions. GCC 12 does at -O2 (kvc_bench, the demo), not at -O1 (this project's tests) nor -O0,

@@ -194,34 +194,35 @@ TEST_CASE("LagRelative on float caches: where float cannot normalise or its spre
     for (double& x : t.data) x = static_cast<double>(static_cast<float>(x * a));
     return t;
   };
-  for (int c = 0; c < 3; ++c)
-  for (long d : {35L, 64L, 128L}) {
-    INFO("case " << c << " d " << d);
-    const ref::Tensor3 Q = kvc::test::random_tensor(rng, 2, 1, d);
-    ref::Tensor3 K = kvc::test::random_tensor(rng, 2, n, d), V = kvc::test::random_tensor(rng, 2, n, d);
-    if (c == 0) {  // ranges of about 1e-40: their reciprocals overflow float
-      K = as_float(K, 1e-40);
-      V = as_float(V, 1e-40);
-    } else if (c == 1) {  // ranges of about 1e38: reciprocals below the normal floats
-      K = as_float(K, 4e37);
-      V = as_float(V, 1.0);
-    } else {  // partition 0 about 1e36 times partition 1's range: x̂² overflows float
-      for (long g = 0; g < 2; ++g)
-        for (long j = s; j < s + L; ++j)
-          for (long k = 0; k < d; ++k) K.at(g, j, k) *= 1e36;
-      K = as_float(K, 1.0);
-      V = as_float(V, 1.0);
-    }
-    kvc::test::LayerBuffers<float> f(K, V, Q, Layout::head_major);
-    for (const bool rank : {true, false}) {
-      INFO("rank " << rank);
-      const LagRelative::Arguments args{s, L, rank};
-      const Eigen::MatrixXd got = scores_of(LagRelative{args}, f.view());
-      REQUIRE(got.allFinite());
-      if (rank)
-        compare_lag_ranks(got, K, V, args);
-      else
-        CHECK(kvc::test::elementwise_ratio(got, ref::lag_relative(K, V, s, L, false), kTol.float_vs_double.mass) <= 1.0);
+  for (int c = 0; c < 3; ++c) {
+    for (long d : {35L, 64L, 128L}) {
+      INFO("case " << c << " d " << d);
+      const ref::Tensor3 Q = kvc::test::random_tensor(rng, 2, 1, d);
+      ref::Tensor3 K = kvc::test::random_tensor(rng, 2, n, d), V = kvc::test::random_tensor(rng, 2, n, d);
+      if (c == 0) {  // ranges of about 1e-40: their reciprocals overflow float
+        K = as_float(K, 1e-40);
+        V = as_float(V, 1e-40);
+      } else if (c == 1) {  // ranges of about 1e38: reciprocals below the normal floats
+        K = as_float(K, 4e37);
+        V = as_float(V, 1.0);
+      } else {  // partition 0 about 1e36 times partition 1's range: x̂² overflows float
+        for (long g = 0; g < 2; ++g)
+          for (long j = s; j < s + L; ++j)
+            for (long k = 0; k < d; ++k) K.at(g, j, k) *= 1e36;
+        K = as_float(K, 1.0);
+        V = as_float(V, 1.0);
+      }
+      kvc::test::LayerBuffers<float> f(K, V, Q, Layout::head_major);
+      for (const bool rank : {true, false}) {
+        INFO("rank " << rank);
+        const LagRelative::Arguments args{s, L, rank};
+        const Eigen::MatrixXd got = scores_of(LagRelative{args}, f.view());
+        REQUIRE(got.allFinite());
+        if (rank)
+          compare_lag_ranks(got, K, V, args);
+        else
+          CHECK(kvc::test::elementwise_ratio(got, ref::lag_relative(K, V, s, L, false), kTol.float_vs_double.mass) <= 1.0);
+      }
     }
   }
 }

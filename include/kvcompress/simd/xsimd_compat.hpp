@@ -70,11 +70,11 @@ inline void prefetch_l2(const void* p) {
 }
 
 /// Makes the compiler materialise `b` in a register here (an empty asm with the register as in/out
-/// operand). A batch loaded once and used several times is then not re-read from memory at every use
-/// (GCC otherwise folds the load into each FMA, tripling the loads of the decode micro-kernels), and
-/// a product is rounded here: the compiler cannot fuse it into the adds that use it, which it does
-/// when it contracts floating-point expressions (GCC at -O2), so the result is the same with and
-/// without contraction.
+/// operand; x86 with AVX, elsewhere a no-op). A batch loaded once and used several times is then not
+/// re-read from memory at every use (GCC otherwise folds the load into each FMA, tripling the loads of
+/// the decode micro-kernels), and a product is rounded here: the compiler cannot fuse it into the adds
+/// that use it, which it does when it contracts floating-point expressions (GCC at -O2), so the
+/// result is the same with and without contraction.
 template <class A>
 inline void pin_register(fbatch<A>& b) {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)

@@ -399,6 +399,47 @@ void BM_RouteMergeCompensate(benchmark::State& state) {
   set_layer_counters(state, n, per);
 }
 
+/// The memory floor of BM_RouteMergeCompensate, no arithmetic: the same selection, every row of K then
+/// V read once in position order (a SIMD sum over the evicted rows), each kept row copied into the same
+/// output buffers, with streaming stores where the stage would use them.
+void BM_RouteMergeFloor(benchmark::State& state) {
+  using A = simd::default_arch;
+  using B = simd::fbatch<A>;
+  const Index n = state.range(0);
+  const auto layer = layer_of(n).view();
+  const Index H = layer.kv_heads(), d = layer.head_dim();
+  Selection<float> sel;
+  TopK<0, 16, 5, Granularity::shared>{}.select(selkv_scores(n).score, std::vector<Index>(H, n / 4), sel);
+  const bool streaming = detail::result_rows_bytes(sel.kept, d, sizeof(float)) >= detail::kStreamMinBytes;
+  std::vector<MergeOutput<float>> out(static_cast<std::size_t>(H));
+  for (Index g = 0; g < H; ++g) {
+    out[g].keys.setZero(Index(sel.kept[g].size()), d);
+    out[g].values.setZero(Index(sel.kept[g].size()), d);
+  }
+  const double per = time_iterations(state, [&] {
+    B acc(0.0f);
+    for (Index g = 0; g < H; ++g)
+      for (const bool keys : {true, false}) {
+        const auto& view = keys ? layer.keys : layer.values;
+        RowMatrix<float>& rows = keys ? out[g].keys : out[g].values;
+        const auto& kept = sel.kept[g];
+        std::size_t i = 0;
+        for (Index j = 0; j < n; ++j) {
+          const float* r = view.row(g, j);
+          if (i < kept.size() && kept[i] == j) {
+            float* dst = rows.row(Index(i++)).data();
+            if (!(streaming && detail::copy_row_streaming(r, dst, d))) std::copy(r, r + d, dst);
+          } else {
+            for (Index k = 0; k + Index(B::size) <= d; k += Index(B::size)) acc += B::load_unaligned(r + k);
+          }
+        }
+      }
+    detail::streaming_done();
+    benchmark::DoNotOptimize(simd::reduce_add<A>(acc));
+  });
+  set_layer_counters(state, n, per);
+}
+
 /// A merger after per-head selection (recent 32, pool 5, budget n/4, on SelKV's scores of the layer),
 /// all KV heads: Router then Merger per head, with the selection and mass computed once outside the
 /// timing. The kept rows are gathered once into one set of buffers per head before the timing; later
@@ -483,6 +524,7 @@ BENCHMARK(BM_SelectChunks)->Apply(kvc::bench::layer_sizes);
 BENCHMARK(BM_SelectThreshold)->Apply(kvc::bench::layer_sizes);
 // n = 512 too: K and V of the layer (4 MiB) stay in cache, so its tokens/s is the arithmetic alone.
 BENCHMARK(BM_RouteMergeCompensate)->Arg(512)->Apply(kvc::bench::layer_sizes);
+BENCHMARK(BM_RouteMergeFloor)->Apply(kvc::bench::layer_sizes);
 // Global routing is quadratic in n: the smallest layer only.
 BENCHMARK_TEMPLATE(BM_Merge, kvc::BucketRouter<0>, kvc::NearestKeyMerge)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_Merge, kvc::NoRoute, kvc::CacheMerge)->Apply(kvc::bench::layer_sizes);
